@@ -1,0 +1,68 @@
+"""Pure-functional Flax (linen) Transformer modules.
+
+Shape letters used in every docstring and einsum:
+  B batch, T query length, S key/value length, N heads, K key/value heads,
+  G = N / K groups, H head dim, D model dim, F ffn dim, V vocab.
+Attention tensors are [B, T, N, H]; scores are [B, N, T, S].
+"""
+
+from models import axes
+from models.attention import MultiHeadAttention
+from models.blocks import DecoderBlock, EncoderBlock
+from models.config import PRESETS, ModelConfig, get_preset
+from models.dot_product import (
+    alibi_bias,
+    attention_impls,
+    dot_product_attention,
+    register_attention_impl,
+)
+from models.embedding import Embed
+from models.masks import (
+    AttentionMask,
+    causal_mask,
+    combine_masks,
+    make_attention_mask,
+    padding_mask,
+    segment_mask,
+)
+from models.mlp import FeedForward
+from models.norms import LayerNorm, RMSNorm
+from models.positional import (
+    LearnedPositionalEmbedding,
+    alibi_slopes,
+    apply_rope,
+    sinusoidal_encoding,
+)
+from models.transformer import DecoderOnly, EncoderDecoder, EncoderOnly, shift_right
+
+__all__ = [
+    "PRESETS",
+    "AttentionMask",
+    "DecoderBlock",
+    "DecoderOnly",
+    "Embed",
+    "EncoderBlock",
+    "EncoderDecoder",
+    "EncoderOnly",
+    "FeedForward",
+    "LayerNorm",
+    "LearnedPositionalEmbedding",
+    "ModelConfig",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rope",
+    "attention_impls",
+    "axes",
+    "causal_mask",
+    "combine_masks",
+    "dot_product_attention",
+    "get_preset",
+    "make_attention_mask",
+    "padding_mask",
+    "register_attention_impl",
+    "segment_mask",
+    "shift_right",
+    "sinusoidal_encoding",
+]

@@ -1,0 +1,249 @@
+"""Multi-head attention: self and cross, GQA/MQA, RoPE/ALiBi, KV cache.
+
+    head_i = Attention(X_q W_i^Q, X_kv W_i^K, X_kv W_i^V)
+    MultiHead(X_q, X_kv) = Concat(head_1, ..., head_N) W^O
+
+Incremental decoding (`decode=True`) keeps a key/value cache in the "cache"
+collection. The first call with decode=True (usually inside `init` or an
+initialisation apply over a [B, S_max] dummy) only creates the cache; later
+calls write their T new keys at `cache_index` and attend causally over the
+cache. Cross-attention caches its projected keys/values on first use, so the
+encoder output is projected once per source.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import axes
+from models.dot_product import (
+    alibi_bias,
+    attention_dropout,
+    dot_product_attention,
+    masked_softmax,
+    weighted_values,
+)
+from models.masks import AttentionMask
+from models.positional import alibi_slopes, apply_rope
+
+Array = Any
+
+
+def _proj(features, kernel_axes, *, axis=-1, use_bias, dtype, param_dtype, name):
+    return nn.DenseGeneral(
+        features=features,
+        axis=axis,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), kernel_axes),
+        bias_init=nn.with_logical_partitioning(
+            nn.initializers.zeros, kernel_axes[-len(features) :] if isinstance(features, tuple)
+            else kernel_axes[-1:]
+        ),
+        name=name,
+    )
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head (and grouped-query) attention.
+
+    Attributes:
+      num_heads: N query heads.
+      num_kv_heads: K key/value heads (None = N; 1 = multi-query).
+      head_dim: d_k (None = D / N).
+      v_head_dim: d_v (None = d_k).
+      out_features: output width (None = input width D).
+      use_bias: biases in the four projections.
+      dropout_rate: dropout on the attention weights.
+      score_fn: "dot" (scaled dot product) or "additive" (Bahdanau: v^T tanh(q + k)).
+      position_encoding: "rope" rotates q and k, "alibi" biases the scores;
+        other values are ignored here (they act on the embeddings).
+      rope_base: RoPE base frequency.
+      attention_impl: dot_product_attention implementation.
+      dtype: compute dtype.
+      param_dtype: parameter dtype.
+    """
+
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    out_features: int | None = None
+    use_bias: bool = False
+    dropout_rate: float = 0.0
+    score_fn: str = "dot"
+    position_encoding: str = "none"
+    rope_base: float = 10000.0
+    attention_impl: str = "xla"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        inputs_q: Array,
+        inputs_kv: Array | None = None,
+        *,
+        mask: Array | AttentionMask | None = None,
+        q_positions: Array | None = None,
+        kv_positions: Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+        return_weights: bool = False,
+    ):
+        """Attends from `inputs_q` to `inputs_kv` (itself when None).
+
+        Args:
+          inputs_q: [B, T, D].
+          inputs_kv: [B, S, D] for cross-attention, None for self-attention.
+          mask: bool mask (dense [B, 1|N, T, S] or AttentionMask); with
+            decode=True a dense mask over the cache slots [B, 1|N, T, S_max].
+          q_positions: [B|1, T] positions for RoPE (default 0..T-1, or the
+            cache slots when decoding).
+          kv_positions: [B|1, S] key positions for RoPE.
+          deterministic: disables dropout.
+          decode: incremental decoding with the KV cache.
+          return_weights: also return the [B, N, T, S] attention weights.
+
+        Returns:
+          [B, T, out_features], and the weights if requested.
+        """
+        N, K, H, Hv = self._dims(inputs_q.shape[-1])
+        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        query = _proj((N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), name="query", **kw)(inputs_q)
+        is_cross = inputs_kv is not None
+        if is_cross:
+            key, value = self._cross_kv(inputs_kv, K, H, Hv, decode, kw)
+        else:
+            key = _proj((K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="key", **kw)(inputs_q)
+            value = _proj((K, Hv), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="value", **kw)(
+                inputs_q
+            )
+        if decode and not is_cross:
+            query, key, value, mask = self._decode_step(query, key, value, mask, q_positions)
+        elif self.position_encoding == "rope" and not is_cross:
+            q_positions = _default_positions(q_positions, query)
+            kv_positions = q_positions if kv_positions is None else kv_positions
+            query = apply_rope(query, q_positions, self.rope_base)
+            key = apply_rope(key, kv_positions, self.rope_base)
+        query = nn.with_logical_constraint(query, (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM))
+        out = self._attend(query, key, value, mask, is_cross, deterministic, return_weights)
+        out, weights = out if return_weights else (out, None)
+        out_features = self.out_features or inputs_q.shape[-1]
+        out = _proj(out_features, (axes.HEADS, axes.HEAD_DIM, axes.EMBED), axis=(-2, -1),
+                    name="out", **kw)(out)
+        return (out, weights) if return_weights else out
+
+    def _dims(self, d_model: int):
+        N = self.num_heads
+        K = N if self.num_kv_heads is None else self.num_kv_heads
+        if N % K:
+            raise ValueError(f"num_heads={N} is not divisible by num_kv_heads={K}")
+        if self.head_dim is None and d_model % N:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={N}")
+        H = self.head_dim or d_model // N
+        if self.position_encoding == "rope" and H % 2:
+            raise ValueError(f"position_encoding='rope' needs an even head_dim, got {H}")
+        return N, K, H, self.v_head_dim or H
+
+    def _cross_kv(self, inputs_kv, K, H, Hv, decode, kw):
+        """Projects the encoder output; with decode, once per source (cached)."""
+        if decode and self.has_variable("cache", "cross_key"):
+            return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
+        key = _proj((K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="key", **kw)(inputs_kv)
+        value = _proj((K, Hv), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="value", **kw)(
+            inputs_kv
+        )
+        if decode:
+            self.variable("cache", "cross_key", lambda: key)
+            self.variable("cache", "cross_value", lambda: value)
+        return key, value
+
+    def _decode_step(self, query, key, value, mask, q_positions):
+        """Writes the new keys/values into the cache and attends over it."""
+        initialised = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+        if isinstance(mask, AttentionMask):
+            raise ValueError("decode=True takes a dense mask over the cache slots, not an AttentionMask")
+        T = query.shape[1]
+        slots = (cache_index.value + jnp.arange(T, dtype=jnp.int32))[None]
+        if self.position_encoding == "rope":
+            positions = slots if q_positions is None else q_positions
+            query = apply_rope(query, positions, self.rope_base)
+            key = apply_rope(key, positions, self.rope_base)
+        if not initialised:
+            # The initialisation call only shapes the cache; attend causally.
+            full = AttentionMask(q_positions=slots, kv_positions=slots, causal=True, dense=mask)
+            return query, key, value, full
+        S_max = cached_key.value.shape[1]
+        if mask is not None and mask.shape[-1] != S_max:
+            raise ValueError(f"decode mask has {mask.shape[-1]} key slots, the cache has {S_max}")
+        start = (0, cache_index.value, 0, 0)
+        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key.astype(key.dtype), start)
+        cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
+        cache_index.value = cache_index.value + T
+        full = AttentionMask(
+            q_positions=slots,
+            kv_positions=jnp.arange(S_max, dtype=jnp.int32)[None],
+            causal=True,
+            dense=mask,
+        )
+        return query, cached_key.value, cached_value.value, full
+
+    def _attend(self, query, key, value, mask, is_cross, deterministic, return_weights):
+        slopes = None
+        if self.position_encoding == "alibi" and not is_cross:
+            slopes = jnp.asarray(alibi_slopes(self.num_heads))
+        rng = None
+        if not deterministic and self.dropout_rate > 0.0:
+            rng = self.make_rng("dropout")
+        if self.score_fn == "additive":
+            return self._additive(query, key, value, mask, slopes, rng, return_weights)
+        if self.score_fn != "dot":
+            raise ValueError(f"score_fn={self.score_fn!r} is unknown; choose 'dot' or 'additive'")
+        return dot_product_attention(
+            query, key, value, mask=mask, alibi_slopes=slopes, dropout_rate=self.dropout_rate,
+            dropout_rng=rng, deterministic=deterministic, return_weights=return_weights,
+            impl=self.attention_impl,
+        )
+
+    def _additive(self, query, key, value, mask, slopes, rng, return_weights):
+        """Bahdanau scoring, e_ts = sum_h v_h tanh(q_th + k_sh), per head."""
+        N, K = query.shape[2], key.shape[2]
+        v = self.param(
+            "additive_v",
+            nn.with_logical_partitioning(nn.initializers.normal(query.shape[-1] ** -0.5),
+                                         (axes.HEADS, axes.HEAD_DIM)),
+            (N, query.shape[-1]),
+            self.param_dtype,
+        )
+        k = jnp.repeat(key, N // K, axis=2).astype(jnp.float32)
+        hidden = jnp.tanh(query.astype(jnp.float32)[:, :, None] + k[:, None])  # [B,T,S,N,H]
+        scores = jnp.einsum("btsnh,nh->bnts", hidden, v.astype(jnp.float32))
+        if slopes is not None:
+            q_pos, kv_pos = _mask_positions(mask, query, key)
+            scores = scores + alibi_bias(slopes, q_pos, kv_pos)
+        dense = mask.dense_mask() if isinstance(mask, AttentionMask) else mask
+        weights = masked_softmax(scores, dense)
+        out = weighted_values(attention_dropout(weights, self.dropout_rate if rng is not None
+                                                else 0.0, rng), value, query.dtype)
+        return (out, weights) if return_weights else out
+
+
+def _default_positions(positions, x):
+    if positions is not None:
+        return positions
+    return jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+
+
+def _mask_positions(mask, query, key):
+    if isinstance(mask, AttentionMask):
+        return mask.q_positions, mask.kv_positions
+    return _default_positions(None, query), _default_positions(None, key)

@@ -1,0 +1,175 @@
+"""ModelConfig: one frozen, keyword-only description of every model family.
+
+The three families (EncoderDecoder, DecoderOnly, EncoderOnly) read the fields
+they need; variants are chosen by name from small registries
+(`position_encoding`, `norm`, `ffn_activation`, `attention_impl`, `score_fn`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+POSITION_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "none")
+NORM_POSITIONS = ("post", "pre")
+SCORE_FNS = ("dot", "additive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Hyper-parameters of a Transformer (defaults: the paper's base model).
+
+    Attributes:
+      vocab_size: V of the targets (decoder input and output; the LM vocabulary).
+      input_vocab_size: V of the encoder inputs; None = same as vocab_size.
+      d_model: D, the residual stream width.
+      num_heads: N, query heads.
+      num_kv_heads: K, key/value heads (GQA; 1 = multi-query); None = N.
+      head_dim: d_k per head; None = D / N.
+      v_head_dim: d_v per head; None = head_dim.
+      d_ff: F, the FFN hidden width.
+      num_encoder_layers: encoder blocks (EncoderDecoder, EncoderOnly).
+      num_decoder_layers: decoder blocks (EncoderDecoder, DecoderOnly).
+      dropout_rate: residual dropout on each sublayer output and on
+        embeddings + positions (the paper's P_drop).
+      attention_dropout_rate: dropout on attention weights.
+      activation_dropout_rate: dropout on the FFN hidden activations.
+      ffn_activation: relu (paper), gelu, swiglu or geglu.
+      norm: layernorm or rmsnorm.
+      norm_epsilon: epsilon of the norms.
+      norm_position: post (paper: LayerNorm(x + Dropout(Sublayer(x)))) or pre
+        (x + Dropout(Sublayer(LayerNorm(x))), with a final norm).
+      position_encoding: sinusoidal, learned, rope, alibi or none.
+      max_length: rows of the learned position table (and the longest input
+        any family accepts with learned positions).
+      rope_base: RoPE's base frequency.
+      use_bias: biases in the attention and FFN projections (the paper: yes).
+      score_fn: dot (scaled dot product) or additive (Bahdanau).
+      attention_impl: registered dot_product_attention implementation.
+      attention_window: sliding window for attention_impl="local".
+      share_embeddings: encoder and decoder share one embedding table (needs
+        input_vocab_size == vocab_size).
+      tie_output: the pre-softmax projection reuses the decoder embedding.
+      scale_embeddings: multiply embeddings by sqrt(D).
+      num_classes: classes of EncoderOnly's pooled head (None = no head).
+      pad_id: padding id (masks are built from it).
+      bos_id: the id the decoder input starts with (shift right).
+      dtype: compute dtype (activations); softmax and logits stay float32.
+      param_dtype: parameter dtype.
+    """
+
+    vocab_size: int = 37000
+    input_vocab_size: int | None = None
+    d_model: int = 512
+    num_heads: int = 8
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+    activation_dropout_rate: float = 0.0
+    ffn_activation: str = "relu"
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-6
+    norm_position: str = "post"
+    position_encoding: str = "sinusoidal"
+    max_length: int = 512
+    rope_base: float = 10000.0
+    use_bias: bool = True
+    score_fn: str = "dot"
+    attention_impl: str = "xla"
+    attention_window: int | None = None
+    share_embeddings: bool = True
+    tie_output: bool = True
+    scale_embeddings: bool = True
+    num_classes: int | None = None
+    pad_id: int = 0
+    bos_id: int = 2
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        for name in ("dtype", "param_dtype"):
+            object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+        _validate(self)
+
+    @property
+    def resolved_input_vocab_size(self) -> int:
+        return self.vocab_size if self.input_vocab_size is None else self.input_vocab_size
+
+    @property
+    def resolved_num_kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _choice(cfg, field, allowed):
+    value = getattr(cfg, field)
+    if value not in allowed:
+        raise ValueError(f"ModelConfig.{field}={value!r} is unknown; choose from {sorted(allowed)}")
+
+
+def _validate(cfg: ModelConfig) -> None:
+    from models.dot_product import attention_impls
+    from models.mlp import ACTIVATIONS
+    from models.norms import NORMS
+
+    for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_length"):
+        if getattr(cfg, field) <= 0:
+            raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(cfg, field)}")
+    if cfg.head_dim is None and cfg.d_model % cfg.num_heads:
+        raise ValueError(
+            f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}; "
+            "change one or set head_dim"
+        )
+    if cfg.num_heads % cfg.resolved_num_kv_heads:
+        raise ValueError(
+            f"num_heads={cfg.num_heads} is not divisible by num_kv_heads={cfg.num_kv_heads}"
+        )
+    if cfg.position_encoding == "rope" and cfg.resolved_head_dim % 2:
+        raise ValueError(f"position_encoding='rope' needs an even head_dim, got {cfg.resolved_head_dim}")
+    for field in ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate"):
+        if not 0.0 <= getattr(cfg, field) < 1.0:
+            raise ValueError(f"ModelConfig.{field} must be in [0, 1), got {getattr(cfg, field)}")
+    _choice(cfg, "position_encoding", POSITION_ENCODINGS)
+    _choice(cfg, "norm_position", NORM_POSITIONS)
+    _choice(cfg, "score_fn", SCORE_FNS)
+    _choice(cfg, "norm", NORMS)
+    _choice(cfg, "ffn_activation", ACTIVATIONS)
+    _choice(cfg, "attention_impl", attention_impls())
+    if cfg.share_embeddings and cfg.resolved_input_vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"share_embeddings=True needs input_vocab_size ({cfg.input_vocab_size}) == "
+            f"vocab_size ({cfg.vocab_size})"
+        )
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Vaswani et al. 2017, Table 3: base and big (shared 37000 BPE vocabulary).
+    "base": dict(d_model=512, d_ff=2048, num_heads=8, num_encoder_layers=6,
+                 num_decoder_layers=6, dropout_rate=0.1, vocab_size=37000),
+    "big": dict(d_model=1024, d_ff=4096, num_heads=16, num_encoder_layers=6,
+                num_decoder_layers=6, dropout_rate=0.3, vocab_size=37000),
+    # Small sizes for tests and CPU recipes.
+    "tiny": dict(d_model=64, d_ff=128, num_heads=4, num_encoder_layers=2,
+                 num_decoder_layers=2, dropout_rate=0.1, vocab_size=128, max_length=128),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """The named preset with `overrides` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"preset {name!r} is unknown; choose from {sorted(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

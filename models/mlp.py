@@ -1,0 +1,69 @@
+"""Position-wise feed-forward network: FFN(x) = act(x W1 + b1) W2 + b2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models import axes
+
+Array = Any
+
+# Gated variants (Shazeer 2020) multiply the activation by a second projection.
+ACTIVATIONS = {
+    "relu": (nn.relu, False),
+    "gelu": (nn.gelu, False),
+    "swiglu": (nn.silu, True),
+    "geglu": (nn.gelu, True),
+}
+
+
+def dense(features, in_axis: str, out_axis: str, *, use_bias: bool, dtype, param_dtype, name):
+    """A Dense layer whose kernel and bias carry logical axis names."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.xavier_uniform(), (in_axis, out_axis)
+        ),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)),
+        name=name,
+    )
+
+
+class FeedForward(nn.Module):
+    """The paper's FFN (ReLU) and its GELU / SwiGLU / GeGLU variants.
+
+    Attributes:
+      d_ff: hidden width F.
+      activation: one of ACTIVATIONS.
+      dropout_rate: dropout on the hidden activations.
+      use_bias: biases on both projections.
+    """
+
+    d_ff: int
+    activation: str = "relu"
+    dropout_rate: float = 0.0
+    use_bias: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
+        """x [B, T, D] -> [B, T, D]."""
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"ffn_activation={self.activation!r} is unknown; choose from {sorted(ACTIVATIONS)}"
+            )
+        act, gated = ACTIVATIONS[self.activation]
+        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        h = act(dense(self.d_ff, axes.EMBED, axes.MLP, name="wi", **kw)(x))
+        if gated:
+            h = h * dense(self.d_ff, axes.EMBED, axes.MLP, name="wi_gate", **kw)(x)
+        h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, axes.MLP))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        return dense(x.shape[-1], axes.MLP, axes.EMBED, name="wo", **kw)(h)
