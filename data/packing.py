@@ -36,12 +36,12 @@ def _check_example(example: Example) -> None:
     if not any(f in example for f in SEGMENTED):
         raise ValueError(f"example needs 'inputs' or 'targets', got keys {sorted(example)}")
     labels = example.get(LABELS)
-    if labels is not None and np.ndim(labels) == 1:
-        if len(labels) != example_length(example, "inputs"):
-            raise ValueError(
-                f"token labels must align with inputs: len(labels)={len(labels)}, "
-                f"len(inputs)={example_length(example, 'inputs')}"
-            )
+    if (labels is not None and np.ndim(labels) == 1
+            and len(labels) != example_length(example, "inputs")):
+        raise ValueError(
+            f"token labels must align with inputs: len(labels)={len(labels)}, "
+            f"len(inputs)={example_length(example, 'inputs')}"
+        )
 
 
 def rows_to_batch(rows: Sequence[Sequence[Example]], num_rows: int,

@@ -15,6 +15,7 @@ on access, element ``i`` from ``(seed, i)``, so datasets of any size cost no mem
 
 from __future__ import annotations
 
+import itertools
 import string
 
 import grain
@@ -23,9 +24,12 @@ import numpy as np
 from data.tokenizers import WordCharTokenizer
 
 MAX_NUMBER = 999_999
-_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-         "fourteen fifteen sixteen seventeen eighteen nineteen").split()
-_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+_ONES = (
+    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+    "nineteen",
+)
+_TENS = ("twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 NUMBER_WORDS = (*_ONES, *_TENS, "hundred", "thousand")
 DIGITS = tuple(string.digits)
 LETTERS = tuple(string.ascii_lowercase)
@@ -88,14 +92,17 @@ class _NumberExample:
         self.test_per_mille, self.split_seed = test_per_mille, split_seed
 
     def __call__(self, i: int) -> dict[str, str]:
-        rng = np.random.default_rng([self.seed, int(i)])
-        while True:
-            digits = int(rng.integers(1, 7))
+        # Pure-Python hashing instead of a numpy Generator per element: ~50x faster,
+        # and the data must keep up with a tiny model's CPU training steps.
+        for attempt in itertools.count():
+            h = _mix(int(i) << 16 | attempt, self.seed + 0x5EED)
+            digits = 1 + h % 6
             low = 0 if digits == 1 else 10 ** (digits - 1)
-            n = int(rng.integers(low, 10**digits))
+            n = low + (h >> 8) % (10**digits - low)
             if number_split(n, test_per_mille=self.test_per_mille,
                             split_seed=self.split_seed) == self.split:
                 return {"inputs": str(n), "targets": number_to_words(n)}
+        raise AssertionError("unreachable")
 
 
 def number_words(

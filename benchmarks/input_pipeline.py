@@ -1,0 +1,91 @@
+"""Input pipeline throughput on Multi30k en-de: tokens/s of finished batches.
+
+    python benchmarks/input_pipeline.py [--data_dir ../shared/data/multi30k]
+
+Trains a joint sentencepiece vocabulary (~8000, in a temp dir, not timed), then
+times tokenise + length filter + pack/bucket + batch, single process, and prints
+a table. ``pipeline_tokens_per_second`` returns the number for other benchmarks
+(e.g. comparing with a training step's consumption).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+import data  # noqa: E402
+
+DEFAULT_DIR = os.path.join(_ROOT, "..", "shared", "data", "multi30k")
+
+
+def pipeline_tokens_per_second(
+    examples,
+    tokenizer: data.Tokenizer,
+    batching: data.Batching,
+    *,
+    num_batches: int = 200,
+    warmup_batches: int = 5,
+) -> tuple[float, float]:
+    """Times ``num_batches`` training batches of ``make_batches``.
+
+    Returns:
+      (non-padding tokens per second, fraction of batch slots that are tokens),
+      counting inputs and targets tokens.
+    """
+    it = iter(data.make_batches(examples, batching, tokenizer=tokenizer, train=True, seed=0,
+                                shard_index=0, shard_count=1))
+    for _ in range(warmup_batches):
+        next(it)
+    tokens = slots = 0
+    start = time.perf_counter()
+    for _ in range(num_batches):
+        batch = next(it)
+        for key in ("inputs", "targets"):
+            tokens += int((batch[key + "_segmentation"] > 0).sum())
+            slots += batch[key].size
+    elapsed = time.perf_counter() - start
+    return tokens / elapsed, tokens / slots
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data_dir", default=DEFAULT_DIR)
+    parser.add_argument("--vocab_size", type=int, default=8000)
+    parser.add_argument("--num_batches", type=int, default=200)
+    args = parser.parse_args(argv)
+    src, tgt = (os.path.join(args.data_dir, f"train.{lang}") for lang in ("en", "de"))
+    if not (os.path.exists(src) and os.path.exists(tgt)):
+        print(f"SKIP: Multi30k not found at {os.path.abspath(args.data_dir)} "
+              "(see ../shared/data/README.md)")
+        return 0
+    examples = data.parallel_files(src, tgt)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        tokenizer = data.train_sentencepiece(data.sample_texts(examples), tmp,
+                                             vocab_size=args.vocab_size)
+        train_s = time.perf_counter() - start
+    print(f"Multi30k en-de: {len(examples)} pairs; sentencepiece bpe vocab "
+          f"{tokenizer.vocab_size} trained in {train_s:.1f} s\n")
+    common = {"max_inputs_length": 64, "max_targets_length": 64}
+    configs = {
+        "pack 64x64, 4096 tok/batch": data.Batching(mode="pack", tokens_per_batch=4096, **common),
+        "bucket, 4096 tok/batch": data.Batching(mode="bucket", tokens_per_batch=4096, **common),
+        "bucket, 64 ex/batch": data.Batching(mode="bucket", batch_size=64, **common),
+    }
+    print(f"| {'batching':28} | {'tokens/s':>10} | {'non-pad':>7} |")
+    print(f"|{'-' * 30}|{'-' * 12}|{'-' * 9}|")
+    for name, batching in configs.items():
+        rate, density = pipeline_tokens_per_second(examples, tokenizer, batching,
+                                                   num_batches=args.num_batches)
+        print(f"| {name:28} | {rate:10,.0f} | {density:7.1%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
