@@ -120,10 +120,9 @@ class MultiHeadAttention(nn.Module):
         if is_cross:
             key, value = self._cross_kv(inputs_kv, K, H, Hv, decode, kw)
         else:
-            key = _proj((K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="key", **kw)(inputs_q)
-            value = _proj((K, Hv), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="value", **kw)(
-                inputs_q
-            )
+            kv_axes = (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM)
+            key = _proj((K, H), kv_axes, name="key", **kw)(inputs_q)
+            value = _proj((K, Hv), kv_axes, name="value", **kw)(inputs_q)
         if decode and not is_cross:
             query, key, value, mask = self._decode_step(query, key, value, mask, q_positions)
         elif self.position_encoding == "rope" and not is_cross:
@@ -131,7 +130,9 @@ class MultiHeadAttention(nn.Module):
             kv_positions = q_positions if kv_positions is None else kv_positions
             query = apply_rope(query, q_positions, self.rope_base)
             key = apply_rope(key, kv_positions, self.rope_base)
-        query = nn.with_logical_constraint(query, (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM))
+        query = nn.with_logical_constraint(
+            query, (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM)
+        )
         out = self._attend(query, key, value, mask, is_cross, deterministic, return_weights)
         out, weights = out if return_weights else (out, None)
         out_features = self.out_features or inputs_q.shape[-1]
@@ -142,6 +143,8 @@ class MultiHeadAttention(nn.Module):
     def _dims(self, d_model: int):
         N = self.num_heads
         K = N if self.num_kv_heads is None else self.num_kv_heads
+        if N < 1 or K < 1:
+            raise ValueError(f"num_heads={N} and num_kv_heads={K} must be positive")
         if N % K:
             raise ValueError(f"num_heads={N} is not divisible by num_kv_heads={K}")
         if self.head_dim is None and d_model % N:
@@ -154,7 +157,8 @@ class MultiHeadAttention(nn.Module):
     def _cross_kv(self, inputs_kv, K, H, Hv, decode, kw):
         """Projects the encoder output; with decode, once per source (cached)."""
         if decode and self.has_variable("cache", "cross_key"):
-            return self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
+            return (self.get_variable("cache", "cross_key"),
+                    self.get_variable("cache", "cross_value"))
         key = _proj((K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="key", **kw)(inputs_kv)
         value = _proj((K, Hv), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="value", **kw)(
             inputs_kv
@@ -171,7 +175,9 @@ class MultiHeadAttention(nn.Module):
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
         if isinstance(mask, AttentionMask):
-            raise ValueError("decode=True takes a dense mask over the cache slots, not an AttentionMask")
+            raise ValueError(
+                "decode=True takes a dense mask over the cache slots, not an AttentionMask"
+            )
         T = query.shape[1]
         slots = (cache_index.value + jnp.arange(T, dtype=jnp.int32))[None]
         if self.position_encoding == "rope":
@@ -186,7 +192,7 @@ class MultiHeadAttention(nn.Module):
         if mask is not None and mask.shape[-1] != S_max:
             raise ValueError(f"decode mask has {mask.shape[-1]} key slots, the cache has {S_max}")
         start = (0, cache_index.value, 0, 0)
-        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key.astype(key.dtype), start)
+        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, start)
         cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
         cache_index.value = cache_index.value + T
         full = AttentionMask(

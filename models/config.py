@@ -129,6 +129,9 @@ def _validate(cfg: ModelConfig) -> None:
     for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_length"):
         if getattr(cfg, field) <= 0:
             raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(cfg, field)}")
+    for field in ("num_kv_heads", "head_dim", "v_head_dim", "input_vocab_size", "num_classes"):
+        if getattr(cfg, field) is not None and getattr(cfg, field) <= 0:
+            raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(cfg, field)}")
     if cfg.head_dim is None and cfg.d_model % cfg.num_heads:
         raise ValueError(
             f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}; "
@@ -139,7 +142,9 @@ def _validate(cfg: ModelConfig) -> None:
             f"num_heads={cfg.num_heads} is not divisible by num_kv_heads={cfg.num_kv_heads}"
         )
     if cfg.position_encoding == "rope" and cfg.resolved_head_dim % 2:
-        raise ValueError(f"position_encoding='rope' needs an even head_dim, got {cfg.resolved_head_dim}")
+        raise ValueError(
+            f"position_encoding='rope' needs an even head_dim, got {cfg.resolved_head_dim}"
+        )
     for field in ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate"):
         if not 0.0 <= getattr(cfg, field) < 1.0:
             raise ValueError(f"ModelConfig.{field} must be in [0, 1), got {getattr(cfg, field)}")

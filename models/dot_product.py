@@ -112,7 +112,8 @@ def _check_shapes(query, key, value, mask, bias, alibi_slopes) -> None:
         if arr is None or isinstance(arr, AttentionMask):
             continue
         if arr.ndim != 4 or any(a not in (1, t) for a, t in zip(arr.shape, target, strict=True)):
-            raise ValueError(f"{name} of shape {arr.shape} is not broadcastable to [B,N,T,S]={target}")
+            raise ValueError(
+                f"{name} of shape {arr.shape} is not broadcastable to [B,N,T,S]={target}")
     if alibi_slopes is not None and alibi_slopes.shape != (N,):
         raise ValueError(f"alibi_slopes has shape {alibi_slopes.shape}, expected ({N},)")
 

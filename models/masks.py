@@ -117,8 +117,8 @@ class AttentionMask:
         kv_pos = self.kv_positions[:, ks]
         parts = [jnp.ones((1, 1, q_pos.shape[1], kv_pos.shape[1]), bool)]
         if self.q_segment_ids is not None or self.kv_segment_ids is not None:
-            q_seg = _ones_if_none(self.q_segment_ids, q_pos)[:, qs]
-            kv_seg = _ones_if_none(self.kv_segment_ids, kv_pos)[:, ks]
+            q_seg = _segments(self.q_segment_ids, qs, q_pos)
+            kv_seg = _segments(self.kv_segment_ids, ks, kv_pos)
             parts.append(segment_mask(q_seg, kv_seg))
         delta = q_pos[:, None, :, None] - kv_pos[:, None, None, :]
         if self.causal:
@@ -128,7 +128,11 @@ class AttentionMask:
         elif self.window is not None:
             parts.append(jnp.abs(delta) <= self.window // 2)
         if self.dense is not None:
-            parts.append(self.dense[:, :, qs, ks])
+            # Size-1 axes broadcast: slice only the axes that have T or S entries.
+            dense = self.dense
+            dense = dense[:, :, qs] if dense.shape[2] > 1 else dense
+            dense = dense[:, :, :, ks] if dense.shape[3] > 1 else dense
+            parts.append(dense)
         return combine_masks(*parts)
 
     def dense_mask(self) -> Array:
@@ -136,10 +140,11 @@ class AttentionMask:
         return self.block()
 
 
-def _ones_if_none(segment_ids: Array | None, positions: Array) -> Array:
+def _segments(segment_ids: Array | None, sl: slice, sliced_positions: Array) -> Array:
+    """The sliced segment ids, or ones (all one segment) shaped like the positions."""
     if segment_ids is not None:
-        return segment_ids
-    return jnp.ones(positions.shape, jnp.int32)
+        return segment_ids[:, sl]
+    return jnp.ones(sliced_positions.shape, jnp.int32)
 
 
 def make_attention_mask(
@@ -178,5 +183,6 @@ def _default_positions(positions, segment_ids, length, name):
     if segment_ids is not None:
         length = segment_ids.shape[-1]
     if length is None:
-        raise ValueError(f"make_attention_mask: need {name}_positions, {name}_segment_ids or {name}_len")
+        raise ValueError(
+            f"make_attention_mask: need {name}_positions, {name}_segment_ids or {name}_len")
     return jnp.arange(length, dtype=jnp.int32)[None]

@@ -85,7 +85,8 @@ class Encoder(nn.Module):
     def __call__(self, inputs, segmentation, positions, *, deterministic: bool = True):
         """inputs [B, S] -> encoded [B, S, D]."""
         cfg = self.config
-        x = Embedder(cfg, self.embed, name="embedder")(inputs, positions, deterministic=deterministic)
+        embedder = Embedder(cfg, self.embed, name="embedder")
+        x = embedder(inputs, positions, deterministic=deterministic)
         mask = AttentionMask(q_positions=positions, kv_positions=positions,
                              q_segment_ids=segmentation, kv_segment_ids=segmentation,
                              window=cfg.attention_window)
@@ -116,7 +117,8 @@ class Decoder(nn.Module):
             mask = AttentionMask(q_positions=positions, kv_positions=positions,
                                  q_segment_ids=segmentation, kv_segment_ids=segmentation,
                                  causal=True, window=cfg.attention_window)
-        x = Embedder(cfg, self.embed, name="embedder")(tokens, positions, deterministic=deterministic)
+        embedder = Embedder(cfg, self.embed, name="embedder")
+        x = embedder(tokens, positions, deterministic=deterministic)
         for i in range(self.num_layers):
             x = DecoderBlock(cfg, self.cross_attention, name=f"layer_{i}")(
                 x, mask, encoded=encoded, cross_mask=cross_mask, positions=positions,
@@ -182,7 +184,9 @@ class EncoderDecoder(nn.Module):
 
         With decode=True, `targets_segmentation` is an optional [B, S_max]
         validity of the cache slots and `targets_position` the absolute
-        positions of the fed tokens (default: counted in the cache).
+        positions of the fed tokens (default: counted in the cache). The
+        first decode=True call, which creates the cache, must already get the
+        real `encoded`: cross-attention caches its keys/values from it.
         """
         cfg = self.config
         if decode:
