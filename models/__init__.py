@@ -6,7 +6,14 @@ Shape letters used in every docstring and einsum:
 Attention tensors are [B, T, N, H]; scores are [B, N, T, S].
 """
 
-from models import axes
+# Importing the implementation modules registers them with dot_product_attention.
+from models import (  # noqa: F401
+    axes,
+    blockwise,
+    hardware_attention,
+    linear_attention,
+    local_attention,
+)
 from models.attention import MultiHeadAttention
 from models.blocks import DecoderBlock, EncoderBlock
 from models.config import PRESETS, ModelConfig, get_preset

@@ -1,0 +1,347 @@
+"""blockwise (flash) attention against the xla reference; hardware paths and auto."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import blockwise, hardware_attention
+from models.dot_product import (
+    attention_scores,
+    dot_product_attention,
+    masked_softmax,
+    weighted_values,
+)
+from models.masks import make_attention_mask
+
+# Small tiles so that short test sequences span several of them.
+BQ, BK = 16, 8
+
+
+def _qkv(B, T, S, N, K, H, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (B, T, N, H), dtype)
+    k = jax.random.normal(ks[1], (B, S, K, H), dtype)
+    v = jax.random.normal(ks[2], (B, S, K, H), dtype)
+    return q, k, v
+
+
+def _segments(B, L, seed):
+    """[B, L] packed segment ids 1, 2, ... with trailing padding (0) on row 0."""
+    rng = np.random.default_rng(seed)
+    cut = sorted(rng.choice(np.arange(1, L), size=2, replace=False))
+    row = np.concatenate([np.full(cut[0], 1), np.full(cut[1] - cut[0], 2), np.zeros(L - cut[1])])
+    return jnp.asarray(np.stack([row] + [np.ones(L)] * (B - 1)), jnp.int32)
+
+
+def _mask(kind, B, T, S):
+    """Masks of several kinds for queries [B, T] and keys [B, S]."""
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return make_attention_mask(None, q_len=T, kv_len=S, causal=True)
+    if kind == "padding":
+        kv_seg = jnp.asarray(np.arange(S)[None] < np.array([[S - 5]] * B), jnp.int32)
+        return make_attention_mask(jnp.ones((B, T), jnp.int32), kv_seg)
+    if kind == "segments_causal":
+        return make_attention_mask(_segments(B, T, 1), causal=True)
+    if kind == "window":
+        return make_attention_mask(_segments(B, T, 2), causal=True, window=7)
+    if kind == "dense_array":
+        return jax.random.bernoulli(jax.random.PRNGKey(5), 0.7, (B, 1, T, S))
+    if kind == "dense_extra":
+        m = make_attention_mask(_segments(B, T, 3))
+        return m.replace(dense=jax.random.bernoulli(jax.random.PRNGKey(6), 0.7, (1, 1, T, S)))
+    raise ValueError(kind)
+
+
+def _loss_and_grads(impl_fn, q, k, v, slopes):
+    def loss(q, k, v, slopes):
+        out = impl_fn(q, k, v, slopes)
+        # A non-trivial cotangent: sum(out**2) would weight rows alike.
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(out.astype(jnp.float32))), out
+
+    argnums = (0, 1, 2) if slopes is None else (0, 1, 2, 3)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(q, k, v, slopes)
+    return out, grads
+
+
+def _compare(mask, q, k, v, slopes, rtol, atol, bq=BQ, bk=BK):
+    ref = _loss_and_grads(
+        lambda q, k, v, s: dot_product_attention(q, k, v, mask=mask, alibi_slopes=s), q, k, v,
+        slopes)
+    got = _loss_and_grads(
+        lambda q, k, v, s: blockwise.blockwise_attention(
+            q, k, v, mask=mask, alibi_slopes=s, block_q=bq, block_kv=bk), q, k, v, slopes)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(ref[0], np.float32),
+                               rtol=rtol, atol=atol)
+    for g, r in zip(got[1], ref[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=rtol, atol=atol)
+
+
+CASES = [
+    # kind, B, T, S, N, K, H, alibi
+    ("none", 2, 37, 37, 4, 4, 8, False),
+    ("causal", 1, 50, 50, 4, 2, 16, False),
+    ("causal", 2, 29, 45, 2, 1, 8, True),
+    ("padding", 2, 33, 41, 4, 2, 8, False),
+    ("segments_causal", 2, 40, 40, 6, 3, 8, True),
+    ("window", 1, 47, 47, 2, 2, 8, True),
+    ("dense_array", 2, 24, 30, 2, 1, 8, False),
+    ("dense_extra", 1, 35, 35, 4, 2, 8, True),
+]
+
+
+@pytest.mark.parametrize("kind,B,T,S,N,K,H,alibi", CASES)
+def test_blockwise_matches_xla_fp32(kind, B, T, S, N, K, H, alibi):
+    q, k, v = _qkv(B, T, S, N, K, H, seed=T)
+    slopes = jnp.linspace(0.05, 0.5, N) if alibi else None
+    _compare(_mask(kind, B, T, S), q, k, v, slopes, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind", ["causal", "segments_causal"])
+def test_blockwise_bf16_close_to_fp32_reference(kind):
+    # bf16 keeps ~3 digits, so both implementations are judged against the
+    # float32 reference on the same (bf16-rounded) inputs.
+    q, k, v = _qkv(2, 40, 40, 4, 2, 16, jnp.bfloat16, seed=7)
+    mask, slopes = _mask(kind, 2, 40, 40), jnp.linspace(0.1, 0.4, 4)
+    ref = _loss_and_grads(
+        lambda q, k, v, s: dot_product_attention(q, k, v, mask=mask, alibi_slopes=s),
+        *(x.astype(jnp.float32) for x in (q, k, v)), slopes)
+    got = _loss_and_grads(
+        lambda q, k, v, s: blockwise.blockwise_attention(
+            q, k, v, mask=mask, alibi_slopes=s, block_q=BQ, block_kv=BK), q, k, v, slopes)
+    assert got[0].dtype == jnp.bfloat16
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), r, rtol=1e-2, atol=1e-2)
+
+
+def test_blockwise_one_tile_and_default_blocks_match_xla():
+    q, k, v = _qkv(1, 300, 300, 2, 2, 8, seed=3)
+    mask = make_attention_mask(None, q_len=300, causal=True)
+    _compare(mask, q, k, v, None, rtol=1e-5, atol=2e-6, bq=blockwise.DEFAULT_BLOCK_Q,
+             bk=blockwise.DEFAULT_BLOCK_KV)
+
+
+def test_fully_masked_rows_are_zero_with_finite_grads():
+    B, T, N, H = 1, 30, 2, 8
+    q, k, v = _qkv(B, T, T, N, N, H)
+    seg = jnp.asarray([[1] * 20 + [0] * 10], jnp.int32)  # the last 10 queries see nothing
+    mask = make_attention_mask(seg, causal=True)
+    out, grads = _loss_and_grads(
+        lambda q, k, v, s: blockwise.blockwise_attention(q, k, v, mask=mask, block_q=BQ,
+                                                         block_kv=BK), q, k, v, None)
+    np.testing.assert_array_equal(np.asarray(out[:, 20:]), 0.0)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+    np.testing.assert_array_equal(np.asarray(grads[0][:, 20:]), 0.0)
+
+
+def test_causal_skips_future_key_tiles():
+    # Keys 32.. are in the future of every query: their tiles must never be
+    # touched, so NaN values there cannot leak (0 * NaN would if computed).
+    B, T, S, N, H = 1, 32, 64, 2, 8
+    q, k, v = _qkv(B, T, S, N, N, H)
+    v_nan = v.at[:, T:].set(jnp.nan)
+    mask = make_attention_mask(None, q_len=T, kv_len=S, causal=True)
+
+    def attend(v):
+        return blockwise.blockwise_attention(q, k, v, mask=mask, block_q=BQ, block_kv=16)
+
+    out, vjp = jax.vjp(jax.jit(attend), v_nan)
+    ref = dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
+    assert bool(jnp.all(jnp.isfinite(vjp(jnp.ones_like(out))[0][:, :T])))
+
+
+def _dense_keep(rate, rng, B, N, T, S, K):
+    """The [B, N, T, S] keep mask blockwise draws, assembled tile by tile."""
+    G = N // K
+    rows = []
+    for i in range(-(-T // BQ)):
+        tiles = []
+        for j in range(-(-S // BK)):
+            keep = jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(rng, i), j),
+                                        1.0 - rate, (B, K, G, BQ, BK))
+            tiles.append(keep.reshape(B, N, BQ, BK))
+        rows.append(jnp.concatenate(tiles, axis=-1))
+    return jnp.concatenate(rows, axis=-2)[:, :, :T, :S]
+
+
+def test_dropout_matches_dense_reference_with_same_keep_mask():
+    B, T, N, K, H, rate = 2, 27, 4, 2, 8, 0.3
+    q, k, v = _qkv(B, T, T, N, K, H)
+    rng = jax.random.PRNGKey(11)
+    mask = make_attention_mask(_segments(B, T, 4), causal=True)
+    keep = _dense_keep(rate, rng, B, N, T, T, K)
+
+    def reference(q, k, v):
+        w = masked_softmax(attention_scores(q, k, H**-0.5), mask.dense_mask())
+        return weighted_values(jnp.where(keep, w / (1 - rate), 0.0), v, q.dtype)
+
+    def ours(q, k, v):
+        return blockwise.blockwise_attention(q, k, v, mask=mask, dropout_rate=rate,
+                                             dropout_rng=rng, block_q=BQ, block_kv=BK)
+
+    got = _loss_and_grads(lambda q, k, v, s: ours(q, k, v), q, k, v, None)
+    ref = _loss_and_grads(lambda q, k, v, s: reference(q, k, v), q, k, v, None)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
+    # And dropout does something.
+    no_drop = dot_product_attention(q, k, v, mask=mask)
+    assert float(jnp.max(jnp.abs(got[0] - no_drop))) > 1e-2
+
+
+def _all_avals(jaxpr):
+    """Every variable's abstract value in a jaxpr and its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _all_avals(inner)
+
+
+def _largest_intermediate(fn, *args):
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return max(int(np.prod(a.shape)) for a in _all_avals(jaxpr) if hasattr(a, "shape"))
+
+
+def test_backward_stores_no_t_by_s_matrix():
+    T = S = 1024
+    N, H = 2, 16
+    q, k, v = _qkv(1, T, S, N, N, H)
+    mask = make_attention_mask(None, q_len=T, causal=True)
+
+    def grad_of(impl_fn):
+        return jax.grad(lambda q, k, v: jnp.sum(impl_fn(q, k, v) ** 2), (0, 1, 2))
+
+    ours = grad_of(lambda q, k, v: blockwise.blockwise_attention(q, k, v, mask=mask, block_q=128,
+                                                                 block_kv=128))
+    ref = grad_of(lambda q, k, v: dot_product_attention(q, k, v, mask=mask))
+    # The checker sees the reference's [T, S] scores ...
+    assert _largest_intermediate(ref, q, k, v) >= T * S
+    # ... and blockwise never has anything bigger than the inputs or a tile.
+    assert _largest_intermediate(ours, q, k, v) <= max(T * N * H, N * 128 * 128)
+    ours_mem = jax.jit(ours).lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+    ref_mem = jax.jit(ref).lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+    assert ours_mem * 8 < ref_mem
+
+
+def test_blockwise_impl_refuses_weights_and_bias():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 4)
+    with pytest.raises(ValueError, match="return_weights"):
+        dot_product_attention(q, k, v, impl="blockwise", return_weights=True)
+    with pytest.raises(ValueError, match="bias"):
+        dot_product_attention(q, k, v, impl="blockwise", bias=jnp.zeros((1, 1, 8, 8)))
+
+
+def test_registered_blockwise_matches_xla():
+    q, k, v = _qkv(2, 20, 20, 4, 2, 8)
+    mask = make_attention_mask(_segments(2, 20, 9), causal=True)
+    ref = dot_product_attention(q, k, v, mask=mask)
+    got = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask=mask, impl="blockwise"))(
+        q, k, v)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-6)
+
+
+# --- hardware paths and auto -------------------------------------------------
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU fallbacks")
+@pytest.mark.parametrize("impl", ["cudnn", "pallas"])
+def test_hardware_impls_refuse_on_cpu(impl):
+    q, k, v = _qkv(1, 8, 8, 2, 2, 4)
+    with pytest.raises(ValueError, match="jax.default_backend"):
+        dot_product_attention(q, k, v, impl=impl)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU choice")
+def test_auto_picks_xla_short_and_blockwise_long_on_cpu(caplog):
+    caplog.set_level(logging.INFO, logger="models.hardware_attention")
+    short = _qkv(1, 16, 16, 2, 2, 4)
+    long_len = hardware_attention.AUTO_LONG_SEQUENCE
+    long = _qkv(1, 4, long_len, 2, 2, 4)
+    mask = make_attention_mask(None, q_len=4, kv_len=long_len)
+    for (q, k, v), m, expected in [(short, None, "xla"), (long, mask, "blockwise")]:
+        call = dict(mask=m, bias=None, alibi_slopes=None, scale=0.5, dropout_rate=0.0,
+                    dropout_rng=None, return_weights=False)
+        assert hardware_attention.choose_impl(q, k, v, **call)[0] == expected
+        got = jax.jit(lambda q, k, v, m=m: dot_product_attention(q, k, v, mask=m, impl="auto"))(
+            q, k, v)
+        np.testing.assert_allclose(got, dot_product_attention(q, k, v, mask=m), rtol=1e-5,
+                                   atol=2e-6)
+    text = caplog.text
+    assert "runs 'xla'" in text and "runs 'blockwise'" in text
+    # Logged once per choice, not once per call.
+    dot_product_attention(*short, impl="auto")
+    assert caplog.text.count("runs 'xla'") == 1
+
+
+def test_auto_uses_xla_when_weights_are_requested():
+    q, k, v = _qkv(1, 4, hardware_attention.AUTO_LONG_SEQUENCE, 2, 2, 4)
+    out, weights = dot_product_attention(q, k, v, impl="auto", return_weights=True)
+    assert weights.shape == (1, 2, 4, hardware_attention.AUTO_LONG_SEQUENCE)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pallas_gpu_adapter_in_interpreter_matches_xla(causal):
+    # The GPU kernel's Pallas interpreter runs on CPU: checks the adapter's
+    # GQA repeat, length padding and segment handling.
+    B, T, N, K, H = 2, 37, 4, 2, 16
+    q, k, v = _qkv(B, T, T, N, K, H)
+    mask = make_attention_mask(_segments(B, T, 8), causal=causal)
+    got = hardware_attention._pallas_attention(
+        q, k, v, mask=mask, bias=None, alibi_slopes=None, scale=H**-0.5, dropout_rate=0.0,
+        dropout_rng=None, return_weights=False, interpret=True)
+    np.testing.assert_allclose(got, dot_product_attention(q, k, v, mask=mask), rtol=1e-5,
+                               atol=2e-6)
+
+
+
+@pytest.mark.slow
+def test_decoder_only_trains_the_same_with_blockwise():
+    import optax
+
+    from models import DecoderOnly, ModelConfig
+    from models.dot_product import register_attention_impl
+
+    # Small tiles so the 40-token sequences span several of them.
+    register_attention_impl("blockwise_test_tiles", blockwise.make_blockwise_impl(16, 8))
+    rng = np.random.default_rng(0)
+    targets = rng.integers(3, 32, size=(2, 40))
+    targets[1, 30:] = 0  # padding
+    targets = jnp.asarray(targets, jnp.int32)
+
+    def losses(impl):
+        cfg = ModelConfig(vocab_size=32, d_model=32, num_heads=4, num_kv_heads=2, d_ff=64,
+                          num_decoder_layers=2, dropout_rate=0.0, norm_position="pre",
+                          position_encoding="alibi", attention_impl=impl)
+        model = DecoderOnly(cfg)
+        params = model.init(jax.random.PRNGKey(0), targets)
+        opt = optax.adam(1e-2)
+        state = opt.init(params)
+
+        def loss_fn(p):
+            logits = model.apply(p, targets)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+            return jnp.sum(ce * (targets != 0)) / jnp.sum(targets != 0)
+
+        @jax.jit
+        def step(p, s):
+            loss, g = jax.value_and_grad(loss_fn)(p)
+            updates, s = opt.update(g, s, p)
+            return optax.apply_updates(p, updates), s, loss
+
+        out = []
+        for _ in range(3):
+            params, state, loss = step(params, state)
+            out.append(float(loss))
+        return np.array(out)
+
+    ref, got = losses("xla"), losses("blockwise_test_tiles")
+    assert ref[-1] < ref[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
