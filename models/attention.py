@@ -24,6 +24,7 @@ from models.dot_product import (
     alibi_bias,
     attention_dropout,
     dot_product_attention,
+    kv_major_attention,
     masked_softmax,
     weighted_values,
 )
@@ -133,7 +134,9 @@ class MultiHeadAttention(nn.Module):
         query = nn.with_logical_constraint(
             query, (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM)
         )
-        out = self._attend(query, key, value, mask, is_cross, deterministic, return_weights)
+        # While decoding, keys and values come head-major [B, K, S, H] from the cache.
+        out = self._attend(query, key, value, mask, is_cross, deterministic, return_weights,
+                           kv_major=decode)
         out, weights = out if return_weights else (out, None)
         out_features = self.out_features or inputs_q.shape[-1]
         out = _proj(out_features, (axes.HEADS, axes.HEAD_DIM, axes.EMBED), axis=(-2, -1),
@@ -163,7 +166,8 @@ class MultiHeadAttention(nn.Module):
         value = _proj((K, Hv), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="value", **kw)(
             inputs_kv
         )
-        if decode:
+        if decode:  # head-major like the self-attention cache
+            key, value = _to_kv_major(key), _to_kv_major(value)
             self.variable("cache", "cross_key", lambda: key)
             self.variable("cache", "cross_value", lambda: value)
         return key, value
@@ -171,8 +175,11 @@ class MultiHeadAttention(nn.Module):
     def _decode_step(self, query, key, value, mask, q_positions):
         """Writes the new keys/values into the cache and attends over it."""
         initialised = self.has_variable("cache", "cached_key")
-        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        # Head-major [B, K, S_max, H]: each step reads the cache without a transpose.
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, _kv_major_shape(key),
+                                   key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros,
+                                     _kv_major_shape(value), value.dtype)
         cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
         if isinstance(mask, AttentionMask):
             raise ValueError(
@@ -187,13 +194,14 @@ class MultiHeadAttention(nn.Module):
         if not initialised:
             # The initialisation call only shapes the cache; attend causally.
             full = AttentionMask(q_positions=slots, kv_positions=slots, causal=True, dense=mask)
-            return query, key, value, full
-        S_max = cached_key.value.shape[1]
+            return query, _to_kv_major(key), _to_kv_major(value), full
+        S_max = cached_key.value.shape[2]
         if mask is not None and mask.shape[-1] != S_max:
             raise ValueError(f"decode mask has {mask.shape[-1]} key slots, the cache has {S_max}")
-        start = (0, cache_index.value, 0, 0)
-        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, start)
-        cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
+        start = (0, 0, cache_index.value, 0)
+        cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, _to_kv_major(key), start)
+        cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, _to_kv_major(value),
+                                                          start)
         cache_index.value = cache_index.value + T
         full = AttentionMask(
             q_positions=slots,
@@ -203,17 +211,27 @@ class MultiHeadAttention(nn.Module):
         )
         return query, cached_key.value, cached_value.value, full
 
-    def _attend(self, query, key, value, mask, is_cross, deterministic, return_weights):
+    def _attend(self, query, key, value, mask, is_cross, deterministic, return_weights,
+                kv_major=False):
         slopes = None
         if self.position_encoding == "alibi" and not is_cross:
             slopes = jnp.asarray(alibi_slopes(self.num_heads))
         rng = None
         if not deterministic and self.dropout_rate > 0.0:
             rng = self.make_rng("dropout")
+        if self.score_fn not in ("dot", "additive"):
+            raise ValueError(f"score_fn={self.score_fn!r} is unknown; choose 'dot' or 'additive'")
+        if kv_major and self.score_fn == "dot":
+            # Decoding: few queries against a long cache; the reference path is
+            # exact and its scores are only [B, N, T, S_max] with small T.
+            return kv_major_attention(
+                query, key, value, mask=mask, alibi_slopes=slopes,
+                dropout_rate=self.dropout_rate if rng is not None else 0.0, dropout_rng=rng,
+                return_weights=return_weights)
+        if kv_major:
+            key, value = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)
         if self.score_fn == "additive":
             return self._additive(query, key, value, mask, slopes, rng, return_weights)
-        if self.score_fn != "dot":
-            raise ValueError(f"score_fn={self.score_fn!r} is unknown; choose 'dot' or 'additive'")
         return dot_product_attention(
             query, key, value, mask=mask, alibi_slopes=slopes, dropout_rate=self.dropout_rate,
             dropout_rng=rng, deterministic=deterministic, return_weights=return_weights,
@@ -241,6 +259,16 @@ class MultiHeadAttention(nn.Module):
         out = weighted_values(attention_dropout(weights, self.dropout_rate if rng is not None
                                                 else 0.0, rng), value, query.dtype)
         return (out, weights) if return_weights else out
+
+
+def _kv_major_shape(x):
+    B, S, K, H = x.shape
+    return (B, K, S, H)
+
+
+def _to_kv_major(x):
+    """[B, S, K, H] -> [B, K, S, H]."""
+    return jnp.swapaxes(x, 1, 2)
 
 
 def _default_positions(positions, x):

@@ -131,11 +131,20 @@ def _positions(mask, length_q, length_kv):
 
 
 def attention_scores(query: Array, key: Array, scale: float) -> Array:
-    """Q K^T * scale with GQA grouping: [B, N, T, S] float32."""
+    """Q K^T * scale with GQA grouping: [B, N, T, S] float32 (key [B, S, K, H])."""
+    return kv_major_scores(query, jnp.swapaxes(key, 1, 2), scale)
+
+
+def kv_major_scores(query: Array, key_t: Array, scale: float) -> Array:
+    """Scores from a head-major key [B, K, S, H] (the KV cache layout): [B, N, T, S].
+
+    With K leading S, the contraction over H needs no transpose of the keys,
+    which matters when the same long cache is read at every decoding step.
+    """
     B, T, N, H = query.shape
-    K = key.shape[2]
+    K = key_t.shape[1]
     q = query.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, key, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgh,bksh->bkgts", q, key_t, preferred_element_type=jnp.float32)
     return scores.reshape(B, N, T, -1) * jnp.float32(scale)
 
 
@@ -151,10 +160,15 @@ def masked_softmax(scores: Array, mask: Array | None) -> Array:
 
 def weighted_values(weights: Array, value: Array, dtype) -> Array:
     """Weights [B, N, T, S] times value [B, S, K, Hv] -> [B, T, N, Hv]."""
+    return kv_major_values(weights, jnp.swapaxes(value, 1, 2), dtype)
+
+
+def kv_major_values(weights: Array, value_t: Array, dtype) -> Array:
+    """Weights [B, N, T, S] times a head-major value [B, K, S, Hv] -> [B, T, N, Hv]."""
     B, N, T, S = weights.shape
-    K = value.shape[2]
+    K = value_t.shape[1]
     w = weights.astype(dtype).reshape(B, K, N // K, T, S)
-    out = jnp.einsum("bkgts,bskh->btkgh", w, value.astype(dtype))
+    out = jnp.einsum("bkgts,bksh->btkgh", w, value_t.astype(dtype))
     return out.reshape(B, T, N, -1)
 
 
@@ -168,15 +182,30 @@ def attention_dropout(weights: Array, rate: float, rng: Array | None) -> Array:
 
 def _xla_attention(query, key, value, *, mask, bias, alibi_slopes, scale, dropout_rate,
                    dropout_rng, return_weights):
-    scores = attention_scores(query, key, scale)
+    return kv_major_attention(
+        query, jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2), mask=mask, bias=bias,
+        alibi_slopes=alibi_slopes, scale=scale, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, return_weights=return_weights)
+
+
+def kv_major_attention(query, key_t, value_t, *, mask=None, bias=None, alibi_slopes=None,
+                       scale=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
+    """The reference computation on head-major keys/values [B, K, S, H].
+
+    Used by `xla` and directly by incremental decoding, whose cache is stored
+    head-major; arguments as in `dot_product_attention`.
+    """
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = kv_major_scores(query, key_t, scale)
     if bias is not None:
         scores = scores + bias.astype(jnp.float32)
     if alibi_slopes is not None:
-        q_pos, kv_pos = _positions(mask, query.shape[1], key.shape[1])
+        q_pos, kv_pos = _positions(mask, query.shape[1], key_t.shape[2])
         scores = scores + alibi_bias(alibi_slopes, q_pos, kv_pos)
     dense = mask.dense_mask() if isinstance(mask, AttentionMask) else mask
     weights = masked_softmax(scores, dense)
-    out = weighted_values(attention_dropout(weights, dropout_rate, dropout_rng), value, query.dtype)
+    out = kv_major_values(attention_dropout(weights, dropout_rate, dropout_rng), value_t,
+                          query.dtype)
     return (out, weights) if return_weights else out
 
 

@@ -113,7 +113,7 @@ def _incremental(mha, params, x, prefill=0, mask=None):
     """Feeds x through the KV cache: `prefill` tokens in one call, then one by one."""
     _, init_vars = mha.apply({"params": params}, jnp.zeros_like(x), decode=True, mutable=["cache"])
     cache = init_vars["cache"]
-    assert cache["cached_key"].shape[1] == x.shape[1]
+    assert cache["cached_key"].shape[2] == x.shape[1]  # head-major [B, K, S, H]
     outs, t = [], 0
     for t_end in ([prefill] if prefill else []) + list(range(max(prefill, 0) + 1, x.shape[1] + 1)):
         out, new = mha.apply({"params": params, "cache": cache}, x[:, t:t_end], decode=True,
@@ -160,7 +160,7 @@ def test_cross_attention_caches_projected_keys():
     full = mha.apply({"params": params}, x, enc)
     _, init_vars = mha.apply({"params": params}, x, enc, decode=True, mutable=["cache"])
     cache = init_vars["cache"]
-    assert cache["cross_key"].shape == (2, 6, 4, 4)
+    assert cache["cross_key"].shape == (2, 4, 6, 4)  # head-major [B, K, S, H]
     outs = []
     for t in range(4):
         # A different encoder output: only the cached projection may be used.
