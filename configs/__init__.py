@@ -1,0 +1,1 @@
+"""ml_collections recipes: `python -m train --config configs/<recipe>.py --workdir DIR`."""

@@ -1,0 +1,55 @@
+"""Every recipe builds a valid model; the paper recipes match the paper."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models import EncoderDecoder
+from train.input import build_input
+from train.tasks import build_model, model_config_from
+
+RECIPES = ["default", "multi30k", "wmt14_ende_base", "wmt14_ende_big", "lm1b", "tinyshakespeare",
+           "sorted"]
+
+
+def _config(name):
+    return importlib.import_module(f"configs.{name}").get_config()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_builds_a_model(name):
+    config = _config(name)
+    model_config = model_config_from(config.model, vocab_size=1000)
+    model = build_model(config.family, model_config)
+    assert model.config.vocab_size == 1000
+    assert config.optim.b1 == 0.9 and config.train.log_every > 0
+
+
+@pytest.mark.parametrize("name,millions", [("wmt14_ende_base", 65), ("wmt14_ende_big", 213)])
+def test_paper_recipes_have_the_papers_size(name, millions):
+    config = _config(name)
+    model = EncoderDecoder(model_config_from(config.model, vocab_size=config.data.vocab_size))
+    ids = jnp.ones((1, 8), jnp.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids))
+    count = sum(x.size for x in jax.tree.leaves(shapes)) / 1e6
+    assert abs(count - millions) / millions < 0.05, count
+    assert config.optim.warmup_steps == 4000 and config.optim.b2 == 0.98
+    assert config.optim.eps == 1e-9 and config.train.label_smoothing == 0.1
+
+
+def test_tinyshakespeare_recipe_is_the_usual_one():
+    c = _config("tinyshakespeare")
+    m = c.model
+    assert (m.num_decoder_layers, m.num_heads, m.d_model, m.dropout_rate) == (4, 4, 128, 0.0)
+    assert (c.data.seq_length, c.data.batch_size, c.train.num_steps) == (64, 12, 2000)
+    assert (c.optim.name, c.optim.b2, c.optim.learning_rate) == ("adamw", 0.99, 1e-3)
+    assert (c.optim.warmup_steps, c.optim.end_learning_rate) == (100, 1e-4)
+
+
+def test_missing_data_path_names_it(tmp_path):
+    config = _config("multi30k")
+    config.data.train_source = str(tmp_path / "nowhere.en")
+    with pytest.raises(FileNotFoundError, match="nowhere.en does not exist.*shared/data"):
+        build_input(config, tmp_path / "run")

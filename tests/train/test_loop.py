@@ -1,0 +1,140 @@
+"""The training loop end to end on a tiny model: loss falls, resume is bitwise,
+NaN stops the run, incompatible workdirs are refused, averaging is a mean, and
+decoding in a fresh process matches decoding in the training process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from tests.train import tiny_config
+from train.checkpoint import Checkpointer
+from train.loop import NonFiniteLossError, train_and_evaluate
+from train.predict import load_run
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = Path(tiny_config.__file__)
+
+
+def _train_cmd(workdir, *overrides):
+    return [sys.executable, "-m", "train", f"--config={CONFIG}", f"--workdir={workdir}",
+            *overrides]
+
+
+def _losses(workdir) -> dict[int, float]:
+    """Per-step train loss; a re-run step keeps its last value."""
+    out = {}
+    for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["split"] == "train":
+            out[row["step"]] = row["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("full")
+    subprocess.run(_train_cmd(workdir), cwd=ROOT, check=True, capture_output=True)
+    return workdir
+
+
+def test_loss_falls(full_run):
+    losses = _losses(full_run)
+    assert sorted(losses) == list(range(1, 31))
+    late = np.mean([losses[s] for s in range(26, 31)])
+    assert late < 0.8 * np.mean([losses[s] for s in (1, 2, 3)])
+
+
+def test_killed_and_resumed_run_is_bitwise_identical(full_run, tmp_path):
+    workdir = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(workdir), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # kill once step 10 is committed and later steps ran
+        done = (workdir / "checkpoints" / "10" / "commit_success.txt").exists() or (
+            workdir / "checkpoints" / "10" / "_CHECKPOINT_METADATA").exists()
+        if done and (workdir / "metrics.jsonl").exists() and max(_losses(workdir), default=0) >= 12:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = max(_losses(workdir))
+    assert 12 <= killed_at < 30, f"the run was not killed mid-way (last step {killed_at})"
+    subprocess.run(_train_cmd(workdir), cwd=ROOT, check=True, capture_output=True)
+    assert _losses(workdir) == _losses(full_run)  # exact float equality, every step
+
+
+def test_decode_in_fresh_process_equals_training_process(full_run, tmp_path):
+    out = tmp_path / "hyp.txt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "train.decode", f"--workdir={full_run}",
+         f"--input={full_run / 'heldout.src'}", f"--reference={full_run / 'heldout.ref'}",
+         "--beam_size=2", f"--output={out}"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == (full_run / "heldout.hyp").read_text()
+    assert "exact_match" in proc.stderr and "bleu" in proc.stderr
+
+
+def test_decode_errors_exit_1_and_write_nothing(full_run, tmp_path):
+    out = tmp_path / "never.txt"
+    long_input = tmp_path / "long.txt"
+    long_input.write_text("1" * 40 + "\n")
+    cases = [
+        ([f"--workdir={tmp_path / 'empty'}", f"--input={full_run / 'heldout.src'}"], "no checkp"),
+        ([f"--workdir={full_run}", "--step=7", f"--input={full_run / 'heldout.src'}"], "step 7"),
+        ([f"--workdir={full_run}", f"--input={long_input}"], "41 tokens"),
+    ]
+    for args, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "train.decode", *args, f"--output={out}"],
+                              cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 1, proc.stderr
+        assert message in proc.stderr
+        assert not out.exists()
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_good_checkpoints(tmp_path):
+    config = tiny_config.get_config()
+    config.optim.update(schedule="constant", learning_rate=1e30)
+    config.train.checkpoint_every = 1
+    with pytest.raises(NonFiniteLossError, match=r"at step \d+"):
+        train_and_evaluate(config, tmp_path)
+    steps = Checkpointer(tmp_path, read_only=True).all_steps()
+    losses = _losses(tmp_path)
+    assert steps and all(np.isfinite(losses[s]) for s in steps)
+
+
+def test_incompatible_workdir_is_refused_and_untouched(full_run, tmp_path):
+    import shutil
+
+    workdir = tmp_path / "copy"
+    shutil.copytree(full_run, workdir)
+    before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*")}
+    config = tiny_config.get_config()
+    config.model.d_model = 48
+    with pytest.raises(ValueError, match=r"parameter \S+ has shape \(\d+, 32\) in the checkpoint "
+                                         r"but \(\d+, 48\) in the model"):
+        train_and_evaluate(config, workdir)
+    after = {p: p.stat().st_mtime_ns for p in workdir.rglob("*")}
+    assert after == before
+
+
+def test_average_is_the_mean_of_the_last_checkpoints(full_run, tmp_path):
+    from train.average import average_run
+
+    step = average_run(full_run, tmp_path / "avg", 3)
+    assert step == 30
+    ckpt = Checkpointer(full_run, read_only=True)
+    loaded = load_run(full_run)
+    trees = [ckpt.restore_params(s, loaded.params) for s in (10, 20, 30)]
+    expected = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *trees)
+    averaged = load_run(tmp_path / "avg")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 averaged.params, expected)
+    assert averaged.translate(["12"], beam_size=1)  # decodable

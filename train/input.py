@@ -1,0 +1,214 @@
+"""From the run config's `data` section to a tokenizer and batch iterators.
+
+The tokenizer is built once and stored in WORKDIR/tokenizer; a resumed run and
+decoding reload it from there, so ids never change under a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+
+import data
+
+TASKS = ("numbers", "parallel_files", "tfds_translation", "text_file", "tfds_text", "sorted")
+
+
+@dataclasses.dataclass
+class Input:
+    """What the loop consumes.
+
+    Attributes:
+      tokenizer: encodes/decodes text (saved in the workdir).
+      train: an infinite IterDataset of batches; its iterator has get/set_state.
+      eval_batches: returns a fresh finite iterable of held-out batches.
+      eval_examples: held-out text examples ({"inputs", "targets"}) for
+        decoding metrics (exact match or BLEU); empty for LM/classification.
+    """
+
+    tokenizer: Any
+    train: grain.IterDataset
+    eval_batches: Callable[[], Iterable[dict]]
+    eval_examples: list[dict]
+
+
+def tokenizer_dir(workdir) -> Path:
+    return Path(workdir) / "tokenizer"
+
+
+def build_input(config, workdir) -> Input:
+    """The Input of `config.data` (see configs/ for the fields of each task)."""
+    task = config.data.task
+    if task not in TASKS:
+        raise ValueError(f"data.task={task!r} is unknown; choose from {TASKS}")
+    if task in ("text_file", "tfds_text") and config.family != "decoder_only":
+        raise ValueError(f"data.task={task!r} needs family='decoder_only', got {config.family!r}")
+    return _BUILDERS[task](config, Path(workdir))
+
+
+def _batching(d, train: bool) -> data.Batching:
+    kw = dict(max_inputs_length=d.get("max_inputs_length"),
+              max_targets_length=d.get("max_targets_length"))
+    if train and d.get("tokens_per_batch"):
+        return data.Batching(mode=d.batching, tokens_per_batch=d.tokens_per_batch, **kw)
+    mode = d.batching if train else "bucket"  # eval: one example per row, easy to score
+    return data.Batching(mode=mode, batch_size=d.get("eval_batch_size", d.batch_size)
+                         if not train else d.batch_size, **kw)
+
+
+def _seq2seq_input(config, workdir, train_ds, eval_ds, tokenizer) -> Input:
+    d = config.data
+    train = data.make_batches(train_ds, _batching(d, True), tokenizer=tokenizer, train=True,
+                              seed=config.seed)
+    eval_ds = eval_ds[: d.max_eval_examples] if d.get("max_eval_examples") else eval_ds
+
+    def eval_batches():
+        return data.make_batches(eval_ds, _batching(d, False), tokenizer=tokenizer, train=False)
+
+    n = min(d.get("num_decode_examples", 0), len(eval_ds))
+    examples = [eval_ds[i] for i in range(n)]
+    return Input(tokenizer, train, eval_batches, examples)
+
+
+def _saved_or(workdir: Path, make: Callable[[], Any]):
+    """The tokenizer stored in the workdir, else `make()` saved there."""
+    directory = tokenizer_dir(workdir)
+    if (directory / "tokenizer.json").exists():
+        return data.load_tokenizer(directory)
+    tokenizer = make()
+    tokenizer.save(directory)
+    return tokenizer
+
+
+def _numbers(config, workdir):
+    d = config.data
+    tokenizer = _saved_or(workdir, data.number_tokenizer)
+    train = data.number_words("train", num_examples=d.num_train_examples, seed=config.seed)
+    test = data.number_words("test", num_examples=d.num_eval_examples, seed=config.seed + 1)
+    return _seq2seq_input(config, workdir, train, test, tokenizer)
+
+
+def _sentencepiece(config, workdir, train_ds):
+    d = config.data
+
+    def make():
+        texts = data.sample_texts(train_ds, max_examples=d.spm_max_sentences, seed=config.seed)
+        return data.train_sentencepiece(
+            texts, tokenizer_dir(workdir), vocab_size=d.vocab_size, model_type=d.spm_model_type,
+            character_coverage=d.spm_character_coverage, byte_fallback=d.spm_byte_fallback)
+
+    return _saved_or(workdir, make)
+
+
+def _require(path: str, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(
+            f"{what}: {p} does not exist. Set it with --config.data.<field>=PATH "
+            "(the Multi30k and tiny shakespeare files are expected in ../shared/data, "
+            "see configs/ and the README)")
+    return p
+
+
+def _parallel_files(config, workdir):
+    d = config.data
+    train = data.parallel_files(_require(d.train_source, "data.train_source"),
+                                _require(d.train_target, "data.train_target"))
+    evals = data.parallel_files(_require(d.eval_source, "data.eval_source"),
+                                _require(d.eval_target, "data.eval_target"))
+    return _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
+
+
+def _tfds_translation(config, workdir):
+    d = config.data
+    kw = dict(source_key=d.source_key, target_key=d.target_key, data_dir=d.get("tfds_data_dir"))
+    train = data.tfds_translation(d.tfds_name, d.train_split, **kw)
+    evals = data.tfds_translation(d.tfds_name, d.eval_split, **kw)
+    return _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
+
+
+def _lm_input(config, train_ids: np.ndarray, eval_ids: np.ndarray, tokenizer) -> Input:
+    d = config.data
+    train = data.lm_windows(train_ids, length=d.seq_length, batch_size=d.batch_size, train=True,
+                            seed=config.seed)
+
+    def eval_batches():
+        ds = data.lm_windows(eval_ids, length=d.seq_length, batch_size=d.batch_size, train=False)
+        return ds if not d.get("max_eval_batches") else _take(ds, d.max_eval_batches)
+
+    return Input(tokenizer, train, eval_batches, [])
+
+
+def _take(ds, n):
+    it = iter(ds)
+    for _ in range(n):
+        try:
+            yield next(it)
+        except StopIteration:
+            return
+
+
+def _text_file(config, workdir):
+    d = config.data
+    text = data.text_corpus(_require(d.path, "data.path"))
+    split = int(len(text) * d.train_fraction)
+    tokenizer = _saved_or(workdir, lambda: data.CharTokenizer.build([text[:split]]))
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    logging.info("char corpus: %d characters, %d train", len(text), split)
+    return _lm_input(config, ids[:split], ids[split:], tokenizer)
+
+
+def _tfds_text(config, workdir):
+    d = config.data
+    train = data.tfds_text(d.tfds_name, d.train_split, text_key=d.text_key)
+    evals = data.tfds_text(d.tfds_name, d.eval_split, text_key=d.text_key)
+    tokenizer = _sentencepiece_lm(config, workdir, train)
+    batching = data.Batching(mode=d.batching, batch_size=d.batch_size,
+                             max_targets_length=d.seq_length)
+    train_b = data.make_batches(train, batching, tokenizer=tokenizer, train=True, seed=config.seed)
+
+    def eval_batches():
+        ds = evals[: d.get("max_eval_examples") or len(evals)]
+        return data.make_batches(ds, batching, tokenizer=tokenizer, train=False)
+
+    return Input(tokenizer, train_b, eval_batches, [])
+
+
+def _sentencepiece_lm(config, workdir, train_ds):
+    d = config.data
+
+    def make():
+        texts = data.sample_texts(train_ds, keys=("targets",), max_examples=d.spm_max_sentences,
+                                  seed=config.seed)
+        return data.train_sentencepiece(texts, tokenizer_dir(workdir), vocab_size=d.vocab_size,
+                                        model_type=d.spm_model_type)
+
+    return _saved_or(workdir, make)
+
+
+def _sorted(config, workdir):
+    d = config.data
+    tokenizer = _saved_or(workdir, lambda: data.symbol_tokenizer(d.num_symbols))
+    train = data.sorted_classification(num_examples=d.num_train_examples, seed=config.seed,
+                                       num_symbols=d.num_symbols)
+    test = data.sorted_classification(num_examples=d.num_eval_examples, seed=config.seed + 1,
+                                      num_symbols=d.num_symbols)
+    inp = _seq2seq_input(config, workdir, train, test, tokenizer)
+    inp.eval_examples = []
+    return inp
+
+
+_BUILDERS = {
+    "numbers": _numbers,
+    "parallel_files": _parallel_files,
+    "tfds_translation": _tfds_translation,
+    "text_file": _text_file,
+    "tfds_text": _tfds_text,
+    "sorted": _sorted,
+}

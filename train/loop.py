@@ -1,0 +1,253 @@
+"""train_and_evaluate: the training loop, as small functions.
+
+    config -> Input (tokenizer, batches) -> model -> TrainState
+    -> [restore latest | init_from] -> steps (jit) -> log / eval / checkpoint
+    -> final checkpoint -> decode held-out examples -> metric
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train import parallel, predict
+from train.checkpoint import Checkpointer, write_json
+from train.input import Input, build_input
+from train.losses import summarize
+from train.metrics import MetricWriter, Progress
+from train.state import TrainState, create_train_state, make_optimizer
+from train.step import make_eval_step, make_train_step
+from train.tasks import build_model, dummy_batch, model_config_from
+
+log = logging.getLogger("train")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or inf; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class Run:
+    """The objects a run is made of (also what tests and decoding reuse)."""
+
+    config: Any
+    workdir: Path
+    input: Input
+    model: nn.Module
+    model_config: Any
+    state: TrainState
+    schedule: Any
+    checkpointer: Checkpointer
+    plan: parallel.Plan
+    state_shardings: TrainState
+
+
+def model_config_dict(model_config) -> dict:
+    out = dataclasses.asdict(model_config)
+    out["dtype"], out["param_dtype"] = str(out["dtype"]), str(out["param_dtype"])
+    return out
+
+
+def saved_config(run: Run) -> dict:
+    """The JSON stored with every checkpoint: run config + resolved model config."""
+    return {"run": run.config.to_dict(), "model": model_config_dict(run.model_config),
+            "family": run.config.family}
+
+
+def init_params(model, family: str, seed: int):
+    """Unboxed parameters of `model` (logical axis names are in the boxed init)."""
+    variables = jax.jit(lambda k: model.init(k, **dummy_batch(family)))(jax.random.key(seed))
+    return nn.meta.unbox(variables["params"])
+
+
+def init_state(model, family: str, tx, seed: int, plan: parallel.Plan):
+    """(fresh TrainState created directly in its shardings, the shardings).
+
+    Values equal init_params + create_train_state on one device (threefry is
+    partitionable, so a sharded init draws the same numbers).
+    """
+    def make():
+        params = nn.meta.unbox(model.init(jax.random.key(seed), **dummy_batch(family))["params"])
+        return create_train_state(params, tx, seed)
+
+    shardings = plan.shardings(model, family, jax.eval_shape(make))
+    return jax.jit(make, out_shardings=shardings)(), shardings
+
+
+def setup(config, workdir) -> Run:
+    """Builds input, model, optimizer, fresh state and checkpointer."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    inp = build_input(config, workdir)
+    model_config = model_config_from(config.model, inp.tokenizer.vocab_size)
+    model = build_model(config.family, model_config)
+    tx, schedule = make_optimizer(config.optim, model_config.d_model, config.train.num_steps)
+    plan = parallel.Plan.from_config(config.parallel)
+    state, shardings = init_state(model, config.family, tx, config.seed, plan)
+    ckpt = Checkpointer(workdir, keep=config.train.keep_checkpoints,
+                        best_metric=config.train.get("best_metric") or None,
+                        best_mode=config.train.get("best_mode", "min"))
+    return Run(config, workdir, inp, model, model_config, state, schedule, ckpt, plan,
+               shardings)
+
+
+def restore_or_start(run: Run) -> tuple[TrainState, dict | None]:
+    """Resumes from the latest checkpoint, else starts (optionally from init_from)."""
+    latest = run.checkpointer.latest_step()
+    if latest is not None:
+        state, data_state = run.checkpointer.restore(latest, run.state)
+        log.info("resumed from %s step %d", run.checkpointer.directory, latest)
+        return state, data_state
+    if run.config.get("init_from"):
+        source = Checkpointer(run.config.init_from, read_only=True, async_save=False)
+        step = source.latest_step()
+        if step is None:
+            raise ValueError(f"init_from={run.config.init_from!r} holds no checkpoint")
+        params = source.restore_params(step, run.state.params)
+        log.info("initialised params from %s step %d", run.config.init_from, step)
+        return run.state.replace(params=params), None
+    return run.state, None
+
+
+class StopSignal:
+    """SIGTERM / Ctrl-C set a flag; the loop checkpoints and exits at a step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        log.warning("signal %d: saving a checkpoint and stopping", signum)
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def evaluate(run: Run, eval_step, params) -> dict[str, float]:
+    """Held-out loss, accuracy and perplexity."""
+    sums = None
+    for batch in run.input.eval_batches():
+        out = jax.device_get(eval_step(params, batch))
+        sums = out if sums is None else jax.tree.map(np.add, sums, out)
+    if sums is None:
+        return {}
+    return summarize(sums, run.config.train.label_smoothing, run.model_config.vocab_size)
+
+
+def _check_finite(step: int, metrics) -> None:
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(f"loss became {loss} at step {step}; stopping. "
+                                 "The last good checkpoint is kept.")
+
+
+def train_and_evaluate(config, workdir) -> dict[str, float]:
+    """Trains (resuming if WORKDIR has checkpoints), evaluates, decodes; returns metrics."""
+    parallel.initialize_distributed(config.parallel)  # before anything touches devices
+    run = setup(config, workdir)
+    state, data_state = restore_or_start(run)  # fails before anything is written
+    if jax.process_index() == 0:
+        write_json(run.workdir / "config.json", saved_config(run))
+    train_iter = iter(run.input.train)
+    if data_state:
+        train_iter.set_state(data_state)
+    writer = MetricWriter(run.workdir)
+    try:
+        state, last_eval = _train(run, state, train_iter, writer)
+    finally:
+        run.checkpointer.wait()
+        writer.close()
+    result = dict(last_eval)
+    if int(state.step) >= config.train.num_steps:
+        result.update(predict.score_examples(run, state.params))
+        writer_final = MetricWriter(run.workdir)
+        writer_final.write(int(state.step), "final", result)
+        writer_final.close()
+        if jax.process_index() == 0:
+            write_json(run.workdir / "final_metrics.json", result)
+    return result
+
+
+def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
+    cfg = run.config.train
+    plan = run.plan
+    step_fn = make_train_step(run.model, run.config.family, cfg.label_smoothing, run.schedule,
+                              axis_name=plan.axis_name)
+    train_step = plan.jit_train_step(step_fn, run.state_shardings)
+    eval_step = plan.jit_eval_step(make_eval_step(run.model, run.config.family,
+                                                  cfg.label_smoothing))
+    start = int(state.step)
+    state = plan.place_state(state)
+    progress = Progress(start, cfg.num_steps)
+    pending, sums, last_eval = None, None, {}
+    with StopSignal() as stop:
+        for step in range(start + 1, cfg.num_steps + 1):
+            batch = next(train_iter)
+            data_state = train_iter.get_state()
+            state, metrics = train_step(state, plan.batch(batch))
+            if pending is not None:  # checked one step late so the host never waits
+                _check_finite(*pending)
+            pending = (step, metrics)
+            sums = _accumulate(sums, metrics)
+            if step % cfg.log_every == 0 or step == cfg.num_steps:
+                _check_finite(*pending)
+                _log_train(run, writer, progress, step, sums)
+                sums = None
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.num_steps):
+                last_eval = evaluate(run, eval_step, plan.global_state(state, run.state).params)
+                log.info("eval step %d: %s", step, _fmt(last_eval))
+                writer.write(step, "eval", last_eval)
+            if step % cfg.checkpoint_every == 0 or step == cfg.num_steps or stop.requested:
+                _check_finite(*pending)
+                run.checkpointer.save(step, plan.global_state(state, run.state), data_state,
+                                      saved_config(run), metrics=last_eval or None)
+            if stop.requested:
+                log.warning("stopped at step %d after a signal; checkpoint saved", step)
+                break
+    return plan.global_state(state, run.state), last_eval
+
+
+def _accumulate(sums, metrics):
+    keys = ("loss_sum", "nll_sum", "correct_sum", "tokens")
+    part = {k: metrics[k] for k in keys}
+    part["learning_rate"] = metrics.get("learning_rate", jnp.zeros(()))
+    part["steps"] = jnp.ones(())
+    return part if sums is None else jax.tree.map(jnp.add, sums, part)
+
+
+def _log_train(run, writer, progress, step, sums):
+    sums = jax.device_get(sums)
+    scalars = summarize(sums, run.config.train.label_smoothing, run.model_config.vocab_size)
+    scalars["learning_rate"] = float(sums["learning_rate"]) / float(sums["steps"])
+    line = progress.line(step, scalars["loss"], scalars["learning_rate"], float(sums["tokens"]))
+    log.info("%s", line)
+    scalars["tokens_per_step"] = float(sums["tokens"]) / float(sums["steps"])
+    writer.write(step, "train", scalars)
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+
+
+def wall_time(fn, *args, **kwargs):
+    """(result, seconds) of fn(*args, **kwargs)."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0

@@ -1,0 +1,71 @@
+"""Metric sinks: console progress line, metrics.jsonl and TensorBoard events.
+
+Only process 0 writes (multi-host runs call this on every process).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger("train")
+
+
+class MetricWriter:
+    """Writes scalars to WORKDIR/metrics.jsonl and WORKDIR/tensorboard."""
+
+    def __init__(self, workdir, enabled: bool | None = None):
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self._jsonl = None
+        self._tb = None
+        if self.enabled:
+            Path(workdir).mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(Path(workdir) / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"))
+
+    def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "split": split, "time": time.time()}
+        row.update({k: float(v) for k, v in scalars.items()})
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        for name, value in scalars.items():
+            self._tb.add_scalar(f"{split}/{name}", float(value), int(step))
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+
+
+class Progress:
+    """The console line: step, loss, learning rate, tokens/s, ETA."""
+
+    def __init__(self, start_step: int, total_steps: int):
+        self.total = total_steps
+        self.last_step = start_step
+        self.last_time = time.perf_counter()
+        self.start_time = self.last_time
+        self.start_step = start_step
+
+    def line(self, step: int, loss: float, lr: float, tokens: float) -> str:
+        now = time.perf_counter()
+        elapsed = max(now - self.last_time, 1e-9)
+        recent = elapsed / max(step - self.last_step, 1)
+        average = (now - self.start_time) / max(step - self.start_step, 1)
+        self.last_step, self.last_time = step, now
+        return (f"step {step}/{self.total}  loss {loss:.4f}  lr {lr:.3e}  "
+                f"{tokens / elapsed:,.0f} tok/s  {1000 * recent:.0f} ms/step  "
+                f"ETA {_hms(average * (self.total - step))}")
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,70 @@
+"""Pure step functions: train_step(state, batch) -> (state, metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from train.losses import label_smoothed_cross_entropy, token_metrics
+from train.state import TrainState
+from train.tasks import forward
+
+Array = Any
+
+
+def make_train_step(model, family: str, label_smoothing: float,
+                    schedule: Callable | None = None, axis_name: Any = None) -> Callable:
+    """The (unjitted) train step for `model`.
+
+    The loss is the label-smoothed cross entropy summed over target tokens and
+    divided by their count (per-token mean). Dropout uses fold_in(rng, step).
+
+    Args:
+      axis_name: None for a global-view step (one device or jit + shardings).
+        Under shard_map/pmap, the axis name(s) holding the batch shards: the
+        token count, gradients and metric sums are psum'd over them, so the
+        step equals the global one; the device index is folded into the
+        dropout key so shards draw different masks.
+    """
+
+    def loss_fn(params, batch, rng):
+        logits, targets, weights = forward(model, family, params, batch, deterministic=False,
+                                           rngs={"dropout": rng})
+        loss_sum, count = label_smoothed_cross_entropy(logits, targets, weights, label_smoothing)
+        metrics = token_metrics(jax.lax.stop_gradient(logits), targets, weights, label_smoothing)
+        if axis_name is not None:  # divide by the global count: psum(grads) is then the mean
+            count = jax.lax.psum(count, axis_name)
+        return loss_sum / jnp.maximum(count, 1.0), metrics
+
+    def train_step(state: TrainState, batch) -> tuple[TrainState, dict[str, Array]]:
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        rng = state.step_rng()
+        if axis_name is not None:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+        (loss, metrics), grads = grad_fn(state.params, batch, rng)
+        if axis_name is not None:
+            loss, metrics, grads = jax.lax.psum((loss, metrics, grads), axis_name)
+        new_state = state.apply_gradients(grads)
+        metrics = dict(metrics, loss=loss, grad_norm=_global_norm(grads))
+        if schedule is not None:
+            metrics["learning_rate"] = schedule(state.step)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(model, family: str, label_smoothing: float) -> Callable:
+    """eval_step(params, batch) -> metric sums (deterministic forward)."""
+
+    def eval_step(params, batch):
+        logits, targets, weights = forward(model, family, params, batch, deterministic=True)
+        return token_metrics(logits, targets, weights, label_smoothing)
+
+    return eval_step
+
+
+def _global_norm(tree) -> Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
