@@ -13,6 +13,7 @@ encoder output is projected once per source.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -34,20 +35,51 @@ from models.positional import alibi_slopes, apply_rope
 Array = Any
 
 
+class Projection(nn.Module):
+    """A multi-axis dense layer, x [..., *in] @ kernel [*in, *features] + bias.
+
+    Like nn.DenseGeneral (same parameter names, shapes and initial values), but
+    the kernel is created in its full shape, so its logical axis names apply
+    as declared under a mesh (DenseGeneral flattens it; google/flax#3676).
+
+    Attributes:
+      features: output dims, e.g. (N, H), or D for the output projection.
+      kernel_axes: logical names of the kernel dims.
+      in_dims: how many trailing input dims are contracted.
+      use_bias: add a bias of shape `features`.
+    """
+
+    features: int | tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    in_dims: int = 1
+    use_bias: bool = False
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        features = self.features if isinstance(self.features, tuple) else (self.features,)
+        in_shape = x.shape[x.ndim - self.in_dims:]
+        fan_in, fan_out = math.prod(in_shape), math.prod(features)
+
+        def init(key, shape, dtype):  # xavier on the flattened matrix, as DenseGeneral
+            return nn.initializers.xavier_uniform()(key, (fan_in, fan_out), dtype).reshape(shape)
+
+        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.kernel_axes),
+                            (*in_shape, *features), self.param_dtype)
+        y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.in_dims)
+        if self.use_bias:
+            bias_axes = self.kernel_axes[len(self.kernel_axes) - len(features):]
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                   bias_axes),
+                              features, self.param_dtype)
+            y = y + bias.astype(self.dtype)
+        return y
+
+
 def _proj(features, kernel_axes, *, axis=-1, use_bias, dtype, param_dtype, name):
-    return nn.DenseGeneral(
-        features=features,
-        axis=axis,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), kernel_axes),
-        bias_init=nn.with_logical_partitioning(
-            nn.initializers.zeros, kernel_axes[-len(features) :] if isinstance(features, tuple)
-            else kernel_axes[-1:]
-        ),
-        name=name,
-    )
+    in_dims = len(axis) if isinstance(axis, tuple) else 1
+    return Projection(features, kernel_axes, in_dims, use_bias, dtype, param_dtype, name=name)
 
 
 class MultiHeadAttention(nn.Module):

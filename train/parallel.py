@@ -313,13 +313,15 @@ class Plan:
             batch_sh = {k: batch_sharding(self.mesh, len(v.shape)) for k, v in batch.items()}
             jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_sh),
                              out_shardings=(state_sh, self.replicated), donate_argnums=0)
-            return _in_scope(jitted, self.mesh)
+            # Inside shard_map the mesh axes are manual: no activation constraints there.
+            return _in_scope(jitted, self.mesh, self.rules if self.step == "jit" else ())
 
         return _per_batch_structure(build)
 
     def jit_eval_step(self, eval_fn: Callable) -> Callable:
         """eval(params, local numpy batch) -> replicated metric sums, on the mesh."""
-        jitted = _in_scope(jax.jit(eval_fn, out_shardings=self.replicated), self.mesh)
+        jitted = _in_scope(jax.jit(eval_fn, out_shardings=self.replicated), self.mesh,
+                           self.rules)
         return lambda params, batch: jitted(params, global_batch(self.mesh, batch))
 
     @property
@@ -370,23 +372,20 @@ def _per_batch_structure(build: Callable) -> Callable:
     return call
 
 
-def _in_scope(jitted, mesh):
-    """Calls (and traces) `jitted` with the mesh in scope; keeps .lower.
+def _in_scope(jitted, mesh, rules):
+    """Calls (and traces) `jitted` with the mesh and the logical rules in scope.
 
-    The logical rules are deliberately NOT put in scope (nn.logical_axis_rules),
-    so the models' nn.with_logical_constraint calls stay inert: with rules and a
-    mesh in scope, flax's DenseGeneral applies the 3-d logical constraint of the
-    q/k/v/out kernels to its flat 2-d kernel and fails (google/flax#3676). The
-    activations' layout is propagated by GSPMD from the explicit parameter and
-    batch shardings instead.
+    With the rules in scope, the models' nn.with_logical_constraint calls pin
+    the activations' layouts (batch on data/fsdp, heads and FFN hidden on
+    tensor) instead of leaving them all to GSPMD's propagation. Keeps .lower.
     """
 
     def call(*args):
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             return jitted(*args)
 
     def lower(*args):
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             return jitted.lower(*args)
 
     call.lower = lower
