@@ -88,6 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
         max_extra=50,  # max output length = input length + 50
         batch_size=64,  # sentences per decoding batch
         num_print=5,  # decoded examples printed at the end
+        eval_examples=100,  # held-out examples decoded at each periodic eval; 0 = at the end only
         metric="bleu",  # bleu (sacreBLEU + chrF) | exact_match
     ))
     return config

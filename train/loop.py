@@ -211,7 +211,11 @@ def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
                 _log_train(run, writer, progress, step, sums)
                 sums = None
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.num_steps):
-                last_eval = evaluate(run, eval_step, plan.global_state(state, run.state).params)
+                params = plan.global_state(state, run.state).params
+                last_eval = evaluate(run, eval_step, params)
+                if run.config.decode.eval_examples:  # BLEU / exact match on a bounded subset
+                    last_eval.update(predict.score_examples(
+                        run, params, limit=run.config.decode.eval_examples))
                 log.info("eval step %d: %s", step, _fmt(last_eval))
                 writer.write(step, "eval", last_eval)
             if step % cfg.checkpoint_every == 0 or step == cfg.num_steps or stop.requested:

@@ -86,24 +86,34 @@ def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str,
             "chrf": sacrebleu.corpus_chrf(hypotheses, [list(references)]).score}
 
 
-def score_examples(run, params) -> dict[str, float]:
-    """Decodes the run's held-out examples, prints a few, returns the metric."""
+def score_examples(run, params, limit: int | None = None) -> dict[str, float]:
+    """Decodes held-out examples and returns the metric (BLEU + chrF, or exact match).
+
+    Args:
+      run: the training Run.
+      params: parameters to decode with.
+      limit: decode only the first `limit` examples (periodic evaluation);
+        None decodes all of them, prints a few and writes heldout.src/.ref/.hyp.
+    """
     examples = run.input.eval_examples
     if not examples or run.config.family != "encoder_decoder":
         return {}
     cfg = run.config.decode
+    examples = examples[:limit] if limit else examples
     sources = [e["inputs"] for e in examples]
     references = [e["targets"] for e in examples]
     hyps = translate_texts(run.model, params, run.input.tokenizer, sources,
                            beam_size=cfg.beam_size, alpha=cfg.alpha, max_extra=cfg.max_extra,
                            batch_size=cfg.batch_size)
+    scores = (bleu_chrf(hyps, references) if cfg.metric == "bleu"
+              else {"exact_match": exact_match(hyps, references)})
+    if limit:
+        return scores
     (run.workdir / "heldout.src").write_text("".join(s + "\n" for s in sources), "utf-8")
     (run.workdir / "heldout.ref").write_text("".join(r + "\n" for r in references), "utf-8")
     (run.workdir / "heldout.hyp").write_text("".join(h + "\n" for h in hyps), "utf-8")
     for src, hyp, ref in list(zip(sources, hyps, references, strict=True))[: cfg.num_print]:
         print(f"  {src!r} -> {hyp!r}  (reference {ref!r})")
-    scores = (bleu_chrf(hyps, references) if cfg.metric == "bleu"
-              else {"exact_match": exact_match(hyps, references)})
     print("held-out " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items())
           + f"  ({len(examples)} examples)")
     return scores

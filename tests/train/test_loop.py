@@ -138,3 +138,74 @@ def test_average_is_the_mean_of_the_last_checkpoints(full_run, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  averaged.params, expected)
     assert averaged.translate(["12"], beam_size=1)  # decodable
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    workdir = tmp_path / "term"
+    proc = subprocess.Popen(
+        _train_cmd(workdir, "--config.train.num_steps=100000",
+                   "--config.train.checkpoint_every=100000"),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if (workdir / "metrics.jsonl").exists() and max(_losses(workdir), default=0) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr
+    steps = Checkpointer(workdir, read_only=True).all_steps()
+    assert len(steps) == 1 and 5 <= steps[0] < 100000  # saved only because of the signal
+    assert "checkpoint saved" in stderr
+
+
+def test_init_from_starts_from_another_runs_params(full_run, tmp_path):
+    from train.loop import restore_or_start, setup
+
+    config = tiny_config.get_config()
+    config.init_from = str(full_run)
+    run = setup(config, tmp_path / "finetune")
+    state, data_state = restore_or_start(run)
+    assert int(state.step) == 0 and data_state is None
+    source = load_run(full_run).params
+    jax.tree.map(np.testing.assert_array_equal, state.params, source)
+
+
+def test_bf16_compute_trains_with_float32_params_and_eval_decodes(tmp_path):
+    config = tiny_config.get_config()
+    config.model.dtype = "bfloat16"
+    config.train.num_steps = 5
+    config.data.num_decode_examples = 4
+    config.train.eval_every = 5  # periodic eval decodes a bounded subset too
+    config.decode.eval_examples = 2
+    train_and_evaluate(config, tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [5] and "exact_match" in evals[0] and "loss" in evals[0]
+    losses = _losses(tmp_path)
+    assert len(losses) == 5 and all(np.isfinite(v) for v in losses.values())
+    params = load_run(tmp_path).params
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
+
+
+def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path):
+    from configs import tinyshakespeare
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question.\n" * 200)
+    config = tinyshakespeare.get_config()
+    config.model.update(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1)
+    config.data.update(path=str(corpus), seq_length=16, batch_size=4, max_eval_batches=2)
+    config.train.update(num_steps=20, log_every=5, eval_every=0, checkpoint_every=20)
+    config.optim.update(warmup_steps=5)
+    workdir = tmp_path / "lm"
+    train_and_evaluate(config, workdir)
+    expected = load_run(workdir).generate(["to be"], max_new_tokens=12)
+    assert len(expected) == 1 and len(expected[0]) > 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("to be\n")
+    proc = subprocess.run([sys.executable, "-m", "train.decode", f"--workdir={workdir}",
+                           f"--input={prompts}", "--max_new_tokens=12"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == expected
