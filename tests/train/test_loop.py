@@ -209,3 +209,17 @@ def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path):
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == expected
+
+
+def test_a_partially_written_checkpoint_is_never_restored(full_run, tmp_path):
+    import shutil
+
+    workdir = tmp_path / "partial"
+    shutil.copytree(full_run, workdir)
+    # What an interrupted orbax save leaves: a temporary directory, never renamed.
+    partial = workdir / "checkpoints" / "40.orbax-checkpoint-tmp-1234"
+    shutil.copytree(workdir / "checkpoints" / "30", partial)
+    (partial / "params" / "garbage").write_text("half a file")
+    ckpt = Checkpointer(workdir, read_only=True)
+    assert ckpt.latest_step() == 30 and 40 not in ckpt.all_steps()
+    assert load_run(workdir).step == 30
