@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import math
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -248,10 +247,3 @@ def _log_train(run, writer, progress, step, sums):
 
 def _fmt(metrics: dict[str, float]) -> str:
     return "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-
-
-def wall_time(fn, *args, **kwargs):
-    """(result, seconds) of fn(*args, **kwargs)."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

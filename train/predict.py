@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 import sacrebleu
+from flax.core import meta
 
 from data import EOS_ID, PAD_ID, load_tokenizer, normalize_text
 from models import ModelConfig, generate
@@ -193,8 +194,6 @@ def load_run(workdir, step: int | None = None) -> LoadedRun:
     model_config = ModelConfig(**saved["model"])
     model = build_model(saved["family"], model_config)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), **dummy_batch(saved["family"])))
-    from flax.core import meta
-
     params = ckpt.restore_params(step, meta.unbox(abstract["params"]))
     tokenizer = load_tokenizer(workdir / "tokenizer")
     return LoadedRun(saved["family"], model, params, tokenizer, step, saved["run"])
