@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 import data
 
@@ -52,14 +54,30 @@ def build_input(config, workdir) -> Input:
     return _BUILDERS[task](config, Path(workdir))
 
 
+def per_process(global_size: int, name: str) -> int:
+    """This process's share of a global batch size (`data.batch_size` etc. are global)."""
+    procs = jax.process_count()
+    if global_size % procs:
+        raise ValueError(f"data.{name}={global_size} is a global batch size and must be a "
+                         f"multiple of the {procs} processes")
+    return global_size // procs
+
+
 def _batching(d, train: bool) -> data.Batching:
     kw = dict(max_inputs_length=d.get("max_inputs_length"),
               max_targets_length=d.get("max_targets_length"))
     if train and d.get("tokens_per_batch"):
-        return data.Batching(mode=d.batching, tokens_per_batch=d.tokens_per_batch, **kw)
-    mode = d.batching if train else "bucket"  # eval: one example per row, easy to score
-    return data.Batching(mode=mode, batch_size=d.get("eval_batch_size", d.batch_size)
-                         if not train else d.batch_size, **kw)
+        return data.Batching(mode=d.batching, **kw,
+                             tokens_per_batch=per_process(d.tokens_per_batch, "tokens_per_batch"))
+    if train:
+        return data.Batching(mode=d.batching, batch_size=per_process(d.batch_size, "batch_size"),
+                             **kw)
+    # Eval: one example per row, easy to score. Across processes every batch must
+    # have one shape (the step is a collective), so there is one bucket: the max length.
+    size = per_process(d.get("eval_batch_size") or d.batch_size, "eval_batch_size")
+    lengths = [n for n in kw.values() if n]
+    single = (max(lengths),) if jax.process_count() > 1 and lengths else None
+    return data.Batching(mode="bucket", batch_size=size, bucket_boundaries=single, **kw)
 
 
 def _seq2seq_input(config, workdir, train_ds, eval_ds, tokenizer) -> Input:
@@ -77,8 +95,24 @@ def _seq2seq_input(config, workdir, train_ds, eval_ds, tokenizer) -> Input:
 
 
 def _saved_or(workdir: Path, make: Callable[[], Any]):
-    """The tokenizer stored in the workdir, else `make()` saved there."""
+    """The tokenizer stored in the workdir, else `make()` saved there.
+
+    Across processes, process 0 builds and saves first; the others then load it
+    (shared workdir) or build the same tokenizer themselves (per-host disks), so
+    no two processes write one file at the same time.
+    """
     directory = tokenizer_dir(workdir)
+    if jax.process_count() > 1:
+        if jax.process_index() == 0:
+            tokenizer = _load_or_make(directory, make)
+        multihost_utils.sync_global_devices("tokenizer saved by process 0")
+        if jax.process_index() != 0:
+            tokenizer = _load_or_make(directory, make)
+        return tokenizer
+    return _load_or_make(directory, make)
+
+
+def _load_or_make(directory: Path, make: Callable[[], Any]):
     if (directory / "tokenizer.json").exists():
         return data.load_tokenizer(directory)
     tokenizer = make()
@@ -135,11 +169,12 @@ def _tfds_translation(config, workdir):
 
 def _lm_input(config, train_ids: np.ndarray, eval_ids: np.ndarray, tokenizer) -> Input:
     d = config.data
-    train = data.lm_windows(train_ids, length=d.seq_length, batch_size=d.batch_size, train=True,
+    rows = per_process(d.batch_size, "batch_size")
+    train = data.lm_windows(train_ids, length=d.seq_length, batch_size=rows, train=True,
                             seed=config.seed)
 
     def eval_batches():
-        ds = data.lm_windows(eval_ids, length=d.seq_length, batch_size=d.batch_size, train=False)
+        ds = data.lm_windows(eval_ids, length=d.seq_length, batch_size=rows, train=False)
         return ds if not d.get("max_eval_batches") else _take(ds, d.max_eval_batches)
 
     return Input(tokenizer, train, eval_batches, [])
@@ -169,7 +204,7 @@ def _tfds_text(config, workdir):
     train = data.tfds_text(d.tfds_name, d.train_split, text_key=d.text_key)
     evals = data.tfds_text(d.tfds_name, d.eval_split, text_key=d.text_key)
     tokenizer = _sentencepiece_lm(config, workdir, train)
-    batching = data.Batching(mode=d.batching, batch_size=d.batch_size,
+    batching = data.Batching(mode=d.batching, batch_size=per_process(d.batch_size, "batch_size"),
                              max_targets_length=d.seq_length)
     train_b = data.make_batches(train, batching, tokenizer=tokenizer, train=True, seed=config.seed)
 

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from train import parallel, predict
 from train.checkpoint import Checkpointer, write_json
@@ -140,14 +141,34 @@ class StopSignal:
 
 
 def evaluate(run: Run, eval_step, params) -> dict[str, float]:
-    """Held-out loss, accuracy and perplexity."""
+    """Held-out loss, accuracy and perplexity (over every process's eval shard)."""
     sums = None
-    for batch in run.input.eval_batches():
+    for batch in _eval_batches(run.input.eval_batches()):
         out = jax.device_get(eval_step(params, batch))
         sums = out if sums is None else jax.tree.map(np.add, sums, out)
     if sums is None:
         return {}
     return summarize(sums, run.config.train.label_smoothing, run.model_config.vocab_size)
+
+
+def _eval_batches(batches):
+    """The eval batches; across processes, padded with empty ones to equal counts.
+
+    The eval step is a collective, so every process must call it equally often
+    with equal shapes (eval batches have one shape per run when multi-process).
+    Empty batches (all padding) add nothing to the sums.
+    """
+    if jax.process_count() == 1:
+        yield from batches
+        return
+    batches = list(batches)
+    most = int(np.max(multihost_utils.process_allgather(np.int32(len(batches)))))
+    if most and not batches:
+        raise ValueError(f"process {jax.process_index()} has no eval batches while others "
+                         f"have {most}; use fewer processes or more eval examples")
+    yield from batches
+    for _ in range(most - len(batches)):
+        yield jax.tree.map(np.zeros_like, batches[0])
 
 
 def _check_finite(step: int, metrics) -> None:

@@ -14,7 +14,8 @@ are mapped onto it by ``config.parallel.logical_axis_rules``. The default rules
 Step variants (``config.parallel.step``):
   jit        jax.jit with explicit in/out shardings; GSPMD inserts the collectives.
   shard_map  data parallel: per-device loss and grads, explicit psum of grads and metrics.
-  pmap       the same step under jax.pmap (for pmap-era code; single process).
+  pmap       the same step under jax.pmap (for pmap-era code; each process feeds
+             [local devices, rows/local devices, ...]; psums span all processes).
 
 Dropout: jit variants draw the same masks on every mesh as on one device
 (partitionable threefry draws by global position). shard_map/pmap fold the
@@ -184,14 +185,20 @@ def batch_sharding(mesh, ndim: int, rows: int | None = None) -> NamedSharding:
 def global_batch(mesh, local_batch: dict) -> dict:
     """Global jax.Arrays from this process's rows (its data shard).
 
-    The global batch is the processes' local batches stacked in process order,
-    so `data.batch_size` is per process.
+    The global batch is the processes' local batches stacked in process order
+    (train/input.py gives each process data.batch_size / process_count rows).
     """
     procs = jax.process_count()
 
     def one(x):
         x = np.asarray(x)
-        sharding = batch_sharding(mesh, x.ndim, x.shape[0] * procs)
+        rows = x.shape[0] * procs
+        if procs > 1 and rows % _axes_size(mesh, BATCH_AXES):
+            # Replicating rows that differ per process would be wrong, not slow.
+            raise ValueError(f"a global batch of {rows} rows ({x.shape[0]} per process) does "
+                             f"not split over the {_axes_size(mesh, BATCH_AXES)} data-parallel "
+                             "devices; make data.batch_size/eval_batch_size a multiple of it")
+        sharding = batch_sharding(mesh, x.ndim, rows)
         if procs == 1:
             return jax.device_put(x, sharding)
         return jax.make_array_from_process_local_data(sharding, x)
@@ -256,8 +263,6 @@ class Plan:
         if step != "jit" and (plan.mesh.shape["fsdp"] > 1 or plan.mesh.shape["tensor"] > 1):
             raise ValueError(f"parallel.step={step!r} is data parallel only; got mesh "
                              f"{dict(plan.mesh.shape)} (use mesh_shape=(-1, 1, 1) or step='jit')")
-        if step == "pmap" and jax.process_count() > 1:
-            raise ValueError("parallel.step='pmap' supports one process; use 'jit' or 'shard_map'")
         return plan
 
     @property
@@ -295,7 +300,7 @@ class Plan:
         """Inverse of place_state: arrays laid out like `like` (for eval / checkpoints)."""
         if self.step != "pmap":
             return state
-        return jax.tree.map(lambda x, ref: jax.device_put(x[0], ref.sharding), state, like)
+        return jax.tree.map(_unreplicate, state, like)
 
     def jit_train_step(self, step_fn: Callable, state_sh: TrainState) -> Callable:
         """`step_fn` (from make_train_step(axis_name=self.axis_name)) compiled for this plan.
@@ -331,6 +336,16 @@ class Plan:
 
 
 PMAP_AXIS = "devices"
+
+
+def _unreplicate(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """One replica of a pmap output (equal on every device) laid out like `ref`.
+
+    From host memory, so it also works across processes, where `ref`'s sharding
+    spans devices this process cannot address.
+    """
+    host = np.asarray(x.addressable_data(0)).reshape(ref.shape)
+    return jax.make_array_from_callback(ref.shape, ref.sharding, lambda index: host[index])
 
 
 def _pmap_step(step_fn: Callable) -> Callable:

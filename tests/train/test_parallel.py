@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-import data
 from configs import common
 from tests.train import parallel_worker
 from train import parallel
-from train.input import tokenizer_dir
+from train.input import per_process
 from train.loop import restore_or_start, setup
 from train.predict import load_run
 
@@ -84,6 +83,13 @@ def test_plan_from_config_rejects_bad_values():
     cfg.mesh_shape, cfg.step = (-1, 1, 1), "pjit"
     with pytest.raises(ValueError, match="parallel.step='pjit'"):
         parallel.Plan.from_config(cfg)
+
+
+def test_global_batch_sizes_split_over_processes(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    assert per_process(64, "batch_size") == 16
+    with pytest.raises(ValueError, match="data.batch_size=6 is a global batch size.*4 processes"):
+        per_process(6, "batch_size")
 
 
 def test_logical_specs_map_to_mesh_axes():
@@ -161,30 +167,66 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
-    """Two processes x 4 CPU devices train 3 steps data parallel (gloo collectives)."""
-    workdir = tmp_path_factory.mktemp("two_process")
-    # Both processes would otherwise race to write the same tokenizer file.
-    data.number_tokenizer().save(tokenizer_dir(workdir))
-    overrides = json.dumps({"train.num_steps": 3, "train.checkpoint_every": 3,
-                            "data.num_decode_examples": 4})
-    env = {"JAX_COORDINATOR_ADDRESS": f"localhost:{_free_port()}", "JAX_NUM_PROCESSES": "2",
-           "PARALLEL_OVERRIDES": overrides}
-    procs = [_worker("train", workdir, 4, dict(env, JAX_PROCESS_ID=str(i)), wait=False)
-             for i in range(2)]
-    results = [_result(p) for p in procs]
-    return workdir, results
+def two_process_runs(tmp_path_factory):
+    """Two processes x 4 CPU devices train 3 steps data parallel (gloo collectives),
+    once with the jit step and once with pmap, all four processes at once.
+
+    Global batch 8 rows (4 per process); 49 eval examples give the processes 4 and
+    3 eval batches, which evaluate() must even out. Each process builds the
+    tokenizer file only after process 0 wrote it.
+    """
+    runs = {}
+    for step in ("jit", "pmap"):
+        workdir = tmp_path_factory.mktemp(f"two_process_{step}")
+        overrides = json.dumps({"train.num_steps": 3, "train.checkpoint_every": 3,
+                                "train.eval_every": 3, "data.num_eval_examples": 49,
+                                "data.eval_batch_size": 16, "data.num_decode_examples": 4,
+                                "parallel.step": step})
+        env = {"JAX_COORDINATOR_ADDRESS": f"localhost:{_free_port()}", "JAX_NUM_PROCESSES": "2",
+               "PARALLEL_OVERRIDES": overrides}
+        runs[step] = (workdir, [_worker("train", workdir, 4, dict(env, JAX_PROCESS_ID=str(i)),
+                                        wait=False) for i in range(2)])
+    return {step: (workdir, [_result(p) for p in procs])
+            for step, (workdir, procs) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def two_process_run(two_process_runs):
+    return two_process_runs["jit"]
+
+
+def _rows(workdir, split):
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
 
 
 def test_two_processes_train_together(two_process_run):
     workdir, results = two_process_run
     assert [(r["process"], r["processes"], r["devices"]) for r in results] == [(0, 2, 8),
                                                                             (1, 2, 8)]
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    train_steps = [r["step"] for r in rows if r["split"] == "train"]
-    assert train_steps == [1, 2, 3]  # written by process 0 only
-    assert all(np.isfinite(r["loss"]) for r in rows if r["split"] == "train")
+    train_rows = _rows(workdir, "train")
+    assert [r["step"] for r in train_rows] == [1, 2, 3]  # written by process 0 only
+    assert all(np.isfinite(r["loss"]) for r in train_rows)
+    assert all(r["tokens_per_step"] > 0 for r in train_rows)
     assert (workdir / "checkpoints" / "3" / "params").is_dir()
+    assert (workdir / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_two_processes_agree_on_eval_over_unequal_shards(two_process_run):
+    _, results = two_process_run
+    first, second = (r["metrics"] for r in results)
+    assert np.isfinite(first["loss"]) and first["loss"] > 0
+    for key in ("loss", "accuracy", "perplexity"):
+        assert first[key] == second[key], key  # one collective sum, not per-process numbers
+
+
+def test_two_process_pmap_equals_two_process_jit(two_process_runs):
+    (jit_dir, jit_results), (pmap_dir, pmap_results) = (two_process_runs["jit"],
+                                                        two_process_runs["pmap"])
+    np.testing.assert_allclose([r["loss"] for r in _rows(pmap_dir, "train")],
+                               [r["loss"] for r in _rows(jit_dir, "train")], rtol=1e-5)
+    np.testing.assert_allclose(pmap_results[0]["metrics"]["loss"],
+                               jit_results[0]["metrics"]["loss"], rtol=1e-5)
 
 
 def test_checkpoint_restores_under_other_meshes_with_identical_params(two_process_run):
