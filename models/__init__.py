@@ -23,6 +23,7 @@ from models.dot_product import (
     dot_product_attention,
     register_attention_impl,
 )
+from models.dropout import Dropout, dropout, keep_mask, keep_probability
 from models.embedding import Embed
 from models.masks import (
     AttentionMask,
@@ -47,6 +48,7 @@ __all__ = [
     "AttentionMask",
     "DecoderBlock",
     "DecoderOnly",
+    "Dropout",
     "Embed",
     "EncoderBlock",
     "EncoderDecoder",
@@ -65,7 +67,10 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "dot_product_attention",
+    "dropout",
     "get_preset",
+    "keep_mask",
+    "keep_probability",
     "make_attention_mask",
     "padding_mask",
     "register_attention_impl",

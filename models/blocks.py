@@ -14,6 +14,7 @@ import flax.linen as nn
 from models import axes
 from models.attention import MultiHeadAttention
 from models.config import ModelConfig
+from models.dropout import Dropout
 from models.mlp import FeedForward
 from models.norms import make_norm
 
@@ -60,7 +61,7 @@ class Residual(nn.Module):
     def __call__(self, x: Array, sublayer: Callable[[Array], Array], *, deterministic: bool):
         cfg = self.config
         norm = make_norm(cfg.norm, cfg.norm_epsilon, cfg.dtype, cfg.param_dtype, name="norm")
-        drop = nn.Dropout(cfg.dropout_rate)
+        drop = Dropout(cfg.dropout_rate)
         if cfg.norm_position == "pre":
             return x + drop(sublayer(norm(x)), deterministic=deterministic)
         return norm(x + drop(sublayer(x), deterministic=deterministic))

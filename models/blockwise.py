@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.dot_product import register_attention_impl
+from models.dropout import keep_mask, keep_probability
 from models.masks import NEG_INF, AttentionMask
 
 Array = Any
@@ -236,13 +237,13 @@ def _tile_scores(cfg, q_i, k_j, slopes, blocks, i, j):
 def _keep_mask(cfg: _Config, rng, i, j, shape) -> Array:
     """Dropout keep mask of tile (i, j): a pure function of (rng, i, j)."""
     tile_rng = jax.random.fold_in(jax.random.fold_in(rng, i), j)
-    return jax.random.bernoulli(tile_rng, 1.0 - cfg.dropout_rate, shape)
+    return keep_mask(tile_rng, cfg.dropout_rate, shape)
 
 
 def _dropped(cfg: _Config, x: Array, keep: Array | None) -> Array:
     if keep is None:
         return x
-    return jnp.where(keep, x / (1.0 - cfg.dropout_rate), 0.0)
+    return jnp.where(keep, x / keep_probability(cfg.dropout_rate), 0.0)
 
 
 def _when_visible(mask: Array | None, compute, carry):

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models.dropout import dropout
 from models.masks import NEG_INF, AttentionMask
 
 Array = Any
@@ -176,8 +177,7 @@ def attention_dropout(weights: Array, rate: float, rng: Array | None) -> Array:
     """Inverted dropout on attention weights (identity when rate == 0)."""
     if rate <= 0.0:
         return weights
-    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
-    return jnp.where(keep, weights / (1.0 - rate), 0.0)
+    return dropout(weights, rate, rng)
 
 
 def _xla_attention(query, key, value, *, mask, bias, alibi_slopes, scale, dropout_rate,

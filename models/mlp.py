@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models import axes
+from models.dropout import Dropout
 
 Array = Any
 
@@ -65,5 +66,5 @@ class FeedForward(nn.Module):
         if gated:
             h = h * dense(self.d_ff, axes.EMBED, axes.MLP, name="wi_gate", **kw)(x)
         h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, axes.MLP))
-        h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+        h = Dropout(self.dropout_rate)(h, deterministic=deterministic)
         return dense(x.shape[-1], axes.MLP, axes.EMBED, name="wo", **kw)(h)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from models import axes
 from models.blocks import DecoderBlock, EncoderBlock
 from models.config import ModelConfig
+from models.dropout import Dropout
 from models.embedding import Embed
 from models.masks import AttentionMask
 from models.mlp import dense
@@ -61,7 +62,7 @@ class Embedder(nn.Module):
             table = LearnedPositionalEmbedding(cfg.max_length, cfg.d_model, cfg.param_dtype,
                                                name="pos_embedding")
             x = x + table(positions).astype(cfg.dtype)
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED))
 
 
@@ -269,6 +270,6 @@ class EncoderOnly(nn.Module):
         pooled = (x.astype(jnp.float32) * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
         kw = dict(use_bias=True, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
         pooled = jnp.tanh(dense(cfg.d_model, axes.EMBED, axes.EMBED, name="pooler", **kw)(pooled))
-        pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
+        pooled = Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
         head = dense(cfg.num_classes, axes.EMBED, axes.CLASSES, name="classifier", **kw)
         return head(pooled).astype(jnp.float32)

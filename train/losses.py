@@ -8,6 +8,7 @@ entropy of y~, reported separately so that "loss - floor" goes to 0.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -42,12 +43,44 @@ def label_smoothed_cross_entropy(
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {logits.shape} and targets {targets.shape} disagree on [B, T]")
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    num_classes = logits.shape[-1]
-    target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    loss = -((1.0 - alpha) * target_logp + (alpha / num_classes) * logp.sum(-1))
+    loss = smoothed_token_loss(logits.astype(jnp.float32), targets, float(alpha))
     weights = weights.astype(jnp.float32)
     return (loss * weights).sum(), weights.sum()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def smoothed_token_loss(logits: Array, targets: Array, alpha: float) -> Array:
+    """Per-token -sum_k y~_k log softmax(logits)_k: [B, T, V] float32 -> [B, T].
+
+    Equal to the log_softmax formula; the hand-written gradient softmax - y~
+    builds the one-hot from an iota comparison in one elementwise pass, where
+    autodiff of log_softmax + take_along_axis computes it twice (once through
+    a scatter) and XLA:CPU fuses one copy into a slow transposed write.
+    """
+    return _smoothed_fwd(logits, targets, alpha)[0]
+
+
+def _smoothed_fwd(logits, targets, alpha):
+    num_classes = logits.shape[-1]
+    top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
+    lse = jnp.log(jnp.exp(logits - top).sum(-1)) + top[..., 0]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # -(1-a) log p_y - (a/K) sum_k log p_k, with log p = logits - lse.
+    loss = lse - (1.0 - alpha) * target_logit - (alpha / num_classes) * logits.sum(-1)
+    return loss, (logits, lse, targets)
+
+
+def _smoothed_bwd(alpha, residuals, g):
+    logits, lse, targets = residuals
+    num_classes = logits.shape[-1]
+    probs = jnp.exp(logits - lse[..., None])
+    classes = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    low = alpha / num_classes
+    smoothed = jnp.where(classes == targets[..., None], 1.0 - alpha + low, low)
+    return (probs - smoothed) * g[..., None], None
+
+
+smoothed_token_loss.defvjp(_smoothed_fwd, _smoothed_bwd)
 
 
 def token_metrics(

@@ -14,6 +14,7 @@ from models.dot_product import (
     masked_softmax,
     weighted_values,
 )
+from models.dropout import keep_mask, keep_probability
 from models.masks import make_attention_mask
 
 # Small tiles so that short test sequences span several of them.
@@ -163,8 +164,8 @@ def _dense_keep(rate, rng, B, N, T, S, K):
     for i in range(-(-T // BQ)):
         tiles = []
         for j in range(-(-S // BK)):
-            keep = jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(rng, i), j),
-                                        1.0 - rate, (B, K, G, BQ, BK))
+            keep = keep_mask(jax.random.fold_in(jax.random.fold_in(rng, i), j), rate,
+                             (B, K, G, BQ, BK))
             tiles.append(keep.reshape(B, N, BQ, BK))
         rows.append(jnp.concatenate(tiles, axis=-1))
     return jnp.concatenate(rows, axis=-2)[:, :, :T, :S]
@@ -179,7 +180,7 @@ def test_dropout_matches_dense_reference_with_same_keep_mask():
 
     def reference(q, k, v):
         w = masked_softmax(attention_scores(q, k, H**-0.5), mask.dense_mask())
-        return weighted_values(jnp.where(keep, w / (1 - rate), 0.0), v, q.dtype)
+        return weighted_values(jnp.where(keep, w / keep_probability(rate), 0.0), v, q.dtype)
 
     def ours(q, k, v):
         return blockwise.blockwise_attention(q, k, v, mask=mask, dropout_rate=rate,

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,6 +60,27 @@ def test_label_smoothing_hand_computation():
                                                jnp.asarray(weights), alpha)
     np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
     assert float(count) == 1.0
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1])
+def test_hand_written_gradient_equals_autodiff_of_log_softmax(alpha):
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 5, 37)) * 3, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 37, (3, 5)), jnp.int32)
+    weights = jnp.asarray(rng.integers(0, 2, (3, 5)), jnp.float32)
+
+    def reference(z):  # the textbook formula, differentiated by JAX
+        logp = jax.nn.log_softmax(z, axis=-1)
+        target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        loss = -((1 - alpha) * target_logp + alpha / 37 * logp.sum(-1))
+        return (loss * weights).sum()
+
+    ours = lambda z: label_smoothed_cross_entropy(z, targets, weights, alpha)[0]  # noqa: E731
+    np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(reference)(logits),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(jax.jit(jax.grad(ours))(logits), jax.grad(reference)(logits),
+                               rtol=1e-5, atol=1e-7)
 
 
 def test_smoothing_floor_is_the_minimum():
