@@ -58,6 +58,10 @@ def base_config() -> ml_collections.ConfigDict:
         keep_checkpoints=5,  # the latest K are kept (the paper averaged 5 / 20)
         best_metric="loss",  # eval metric whose best checkpoint is kept too ("" = off)
         best_mode="min",
+        # At the end: average the params of the last N checkpoints (into WORKDIR/averaged),
+        # decode the held-out set with both, keep the better (selection on held-out data
+        # only) and decode data.test_source with it if a recipe sets one. 0/1 = off.
+        average_last=0,
     ))
 
     # Devices (train/parallel.py). Defaults: data parallel over all devices (one

@@ -24,7 +24,8 @@ def get_config() -> ml_collections.ConfigDict:
     d.source_key = "en"
     d.target_key = "de"
     d.train_split = "train"
-    d.eval_split = "validation"  # newstest2013
+    d.eval_split = "validation"  # newstest2013: selection only
+    d.test_split = "test"  # newstest2014, decoded once at the end (the paper's Table 2)
     d.max_eval_examples = 3000
     d.tfds_data_dir = None  # default tfds data dir (~/tensorflow_datasets)
     d.vocab_size = 37000  # the paper's shared source-target BPE vocabulary
@@ -50,7 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
     t.log_every = 100
     t.eval_every = 5000
     t.checkpoint_every = 2000  # the paper: every 10 minutes
-    t.keep_checkpoints = 5  # averaged: python -m train.average --last 5
+    t.keep_checkpoints = 5
+    t.average_last = 5  # the paper: the last 5 checkpoints, written every 10 minutes
 
     config.decode.update(beam_size=4, alpha=0.6, max_extra=50, metric="bleu")
     return config

@@ -14,5 +14,6 @@ def get_config() -> ml_collections.ConfigDict:
     config = wmt14_ende_base.get_config()
     config.model.update(d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3)
     config.train.num_steps = 300_000  # 3.5 days on 8 P100s in the paper
-    config.train.keep_checkpoints = 20  # the paper averaged the last 20
+    config.train.keep_checkpoints = 20
+    config.train.average_last = 20  # the paper averaged the last 20
     return config

@@ -32,12 +32,15 @@ class Input:
       eval_batches: returns a fresh finite iterable of held-out batches.
       eval_examples: held-out text examples ({"inputs", "targets"}) for
         decoding metrics (exact match or BLEU); empty for LM/classification.
+      test_examples: test examples decoded once at the end (data.test_source/
+        test_target; never used for selection).
     """
 
     tokenizer: Any
     train: grain.IterDataset
     eval_batches: Callable[[], Iterable[dict]]
     eval_examples: list[dict]
+    test_examples: list[dict] = dataclasses.field(default_factory=list)
 
 
 def tokenizer_dir(workdir) -> Path:
@@ -156,7 +159,12 @@ def _parallel_files(config, workdir):
                                 _require(d.train_target, "data.train_target"))
     evals = data.parallel_files(_require(d.eval_source, "data.eval_source"),
                                 _require(d.eval_target, "data.eval_target"))
-    return _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
+    inp = _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
+    if d.get("test_source"):
+        test = data.parallel_files(_require(d.test_source, "data.test_source"),
+                                   _require(d.test_target, "data.test_target"))
+        inp.test_examples = [test[i] for i in range(len(test))]
+    return inp
 
 
 def _tfds_translation(config, workdir):
@@ -164,7 +172,11 @@ def _tfds_translation(config, workdir):
     kw = dict(source_key=d.source_key, target_key=d.target_key, data_dir=d.get("tfds_data_dir"))
     train = data.tfds_translation(d.tfds_name, d.train_split, **kw)
     evals = data.tfds_translation(d.tfds_name, d.eval_split, **kw)
-    return _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
+    inp = _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
+    if d.get("test_split"):
+        test = data.tfds_translation(d.tfds_name, d.test_split, **kw)
+        inp.test_examples = [test[i] for i in range(len(test))]
+    return inp
 
 
 def _lm_input(config, train_ids: np.ndarray, eval_ids: np.ndarray, tokenizer) -> Input:

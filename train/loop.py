@@ -21,10 +21,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from train import parallel, predict
-from train.checkpoint import Checkpointer, write_json
+from train.checkpoint import Checkpointer, average_checkpoints, checkpoint_dir, write_json
 from train.input import Input, build_input
 from train.losses import summarize
-from train.metrics import MetricWriter, Progress
+from train.metrics import CompileTimer, MetricWriter, Progress
 from train.state import TrainState, create_train_state, make_optimizer
 from train.step import make_eval_step, make_train_step
 from train.tasks import build_model, dummy_batch, model_config_from
@@ -171,6 +171,60 @@ def _eval_batches(batches):
         yield jax.tree.map(np.zeros_like, batches[0])
 
 
+def final_scores(run: Run, params) -> dict[str, float]:
+    """End-of-run metrics: held-out decoding, checkpoint averaging, test decoding.
+
+    With train.average_last = N > 1, the last N checkpoints are averaged into
+    WORKDIR/averaged (reused if present); the held-out set is decoded with the
+    final and the averaged params and the better one (held-out only, never the
+    test set) decodes data.test_source, if the recipe has one.
+    """
+    result = predict.score_examples(run, params)
+    if run.config.family == "decoder_only" and run.config.decode.get("sample_length"):
+        _print_sample(run, params)
+    n = run.config.train.get("average_last", 0)
+    if n > 1 and result:
+        averaged = _averaged_params(run, n)
+        if averaged is not None:
+            scores = predict.score_examples(run, averaged, tag=f"heldout_avg{n}")
+            metric = "bleu" if "bleu" in result else "exact_match"
+            result.update({f"avg{n}_{k}": v for k, v in scores.items()})
+            result["selected_average"] = float(scores[metric] > result[metric])
+            if scores[metric] > result[metric]:
+                params = averaged
+    if run.input.test_examples:
+        scores = predict.score_examples(run, params, examples=run.input.test_examples, tag="test")
+        result.update({f"test_{k}": v for k, v in scores.items()})
+    return result
+
+
+def _print_sample(run: Run, params) -> None:
+    """A sampled continuation of decode.sample_prompt, printed and written to sample.txt."""
+    cfg = run.config.decode
+    prompt = cfg.get("sample_prompt", "\n")
+    text = predict.generate_texts(run.model, params, run.input.tokenizer, [prompt],
+                                  max_new_tokens=cfg.sample_length,
+                                  temperature=cfg.get("sample_temperature", 0.8),
+                                  seed=run.config.seed)[0]
+    print(f"sample ({cfg.sample_length} tokens after {prompt!r}):\n{prompt}{text}")
+    if jax.process_index() == 0:
+        (run.workdir / "sample.txt").write_text(prompt + text + "\n", "utf-8")
+
+
+def _averaged_params(run: Run, n: int):
+    steps = run.checkpointer.all_steps()
+    if len(steps) < n or jax.process_count() > 1:
+        log.warning("not averaging: %d checkpoints %s for average_last=%d, %d processes "
+                    "(python -m train.average does it offline)", len(steps), steps, n,
+                    jax.process_count())
+        return None
+    out = run.workdir / "averaged"
+    if not checkpoint_dir(out).is_dir() or not any(checkpoint_dir(out).iterdir()):
+        average_checkpoints(run.workdir, out, n, run.state.params)
+    source = Checkpointer(out, read_only=True, async_save=False)
+    return source.restore_params(source.latest_step(), run.state.params)
+
+
 def _check_finite(step: int, metrics) -> None:
     loss = float(metrics["loss"])
     if not math.isfinite(loss):
@@ -180,6 +234,14 @@ def _check_finite(step: int, metrics) -> None:
 
 def train_and_evaluate(config, workdir) -> dict[str, float]:
     """Trains (resuming if WORKDIR has checkpoints), evaluates, decodes; returns metrics."""
+    with CompileTimer() as timer:
+        result = _train_and_evaluate(config, workdir)
+    log.info("compilation (tracing + lowering + XLA): %.1f s in %d programs", timer.seconds,
+             timer.compiles)
+    return result
+
+
+def _train_and_evaluate(config, workdir) -> dict[str, float]:
     parallel.initialize_distributed(config.parallel)  # before anything touches devices
     run = setup(config, workdir)
     state, data_state = restore_or_start(run)  # fails before anything is written
@@ -196,7 +258,7 @@ def train_and_evaluate(config, workdir) -> dict[str, float]:
         writer.close()
     result = dict(last_eval)
     if int(state.step) >= config.train.num_steps:
-        result.update(predict.score_examples(run, state.params))
+        result.update(final_scores(run, state.params))
         writer_final = MetricWriter(run.workdir)
         writer_final.write(int(state.step), "final", result)
         writer_final.close()

@@ -69,3 +69,31 @@ class Progress:
 def _hms(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+class CompileTimer:
+    """Sums JAX's tracing, lowering and XLA compile time while it is active.
+
+    `with CompileTimer() as timer: ...; timer.seconds` (reported at the end of a run).
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.compiles = 0
+
+    def _listen(self, event: str, duration: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            self.seconds += duration
+            self.compiles += event == COMPILE_EVENTS[-1]
+
+    def __enter__(self) -> CompileTimer:
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)

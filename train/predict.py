@@ -68,6 +68,56 @@ def translate_texts(model, params, tokenizer, texts: Sequence[str], *, beam_size
     return outputs
 
 
+def generate_texts(model, params, tokenizer, prompts: Sequence[str], *,
+                   max_new_tokens: int = 100, temperature: float = 0.0, top_k: int = 0,
+                   top_p: float = 1.0, seed: int = 0) -> list[str]:
+    """Continuations of `prompts` by a DecoderOnly model (temperature 0 = greedy).
+
+    A model with a learned position table of max_length L cannot attend beyond
+    L tokens, so longer outputs are generated in chunks of L/4 tokens, each
+    conditioned on the last 3L/4 tokens so far (a sliding window, as char-LM
+    samplers crop their context); other position schemes generate in one go.
+    """
+    rows = [list(tokenizer.encode(p)) or [PAD_ID] for p in prompts]
+    cfg = model.config
+    limit = cfg.max_length if cfg.position_encoding == "learned" else None
+    if limit is None or max(len(r) for r in rows) + max_new_tokens <= limit:
+        new = _generate_ids(model, params, rows, max_new_tokens, temperature, top_k, top_p, seed)
+        return [tokenizer.decode(r) for r in new]
+    if limit < 4:
+        raise ValueError(f"max_length={limit} is too short for windowed generation")
+    chunk, context = limit // 4, limit - limit // 4
+    outputs: list[list[int]] = [[] for _ in rows]
+    done = [False] * len(rows)
+    for i in range(0, max_new_tokens, chunk):
+        windows = [(r + o)[-context:] for r, o in zip(rows, outputs, strict=True)]
+        n = min(chunk, max_new_tokens - i)
+        new = _generate_ids(model, params, windows, n, temperature, top_k, top_p, seed + i)
+        for j, ids in enumerate(new):
+            if not done[j]:
+                outputs[j] += ids
+                done[j] = len(ids) < n  # stopped at EOS
+        if all(done):
+            break
+    return [tokenizer.decode(o) for o in outputs]
+
+
+def _generate_ids(model, params, rows, n, temperature, top_k, top_p, seed) -> list[list[int]]:
+    """n new ids per row (cut after EOS)."""
+    ids = np.zeros((len(rows), max(len(r) for r in rows)), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+    out = generate.generate(
+        model, params, ids, max_new_tokens=n, greedy=temperature == 0,
+        temperature=max(temperature, 1e-6), top_k=top_k, top_p=top_p,
+        rng=jax.random.key(seed), eos_id=EOS_ID,
+        prompt_lengths=np.array([len(r) for r in rows], np.int32))
+    result = []
+    for row in np.asarray(out).tolist():
+        result.append(row[: row.index(EOS_ID) + 1] if EOS_ID in row else row)
+    return result
+
+
 def _extra_room(model_config, width: int, max_extra: int) -> int:
     """Output room beyond the input width; a learned position table caps it."""
     if model_config.position_encoding != "learned":
@@ -87,16 +137,19 @@ def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str,
             "chrf": sacrebleu.corpus_chrf(hypotheses, [list(references)]).score}
 
 
-def score_examples(run, params, limit: int | None = None) -> dict[str, float]:
+def score_examples(run, params, limit: int | None = None, examples=None,
+                   tag: str = "heldout") -> dict[str, float]:
     """Decodes held-out examples and returns the metric (BLEU + chrF, or exact match).
 
     Args:
       run: the training Run.
       params: parameters to decode with.
       limit: decode only the first `limit` examples (periodic evaluation);
-        None decodes all of them, prints a few and writes heldout.src/.ref/.hyp.
+        None decodes all of them, prints a few and writes TAG.src/.ref/.hyp.
+      examples: {"inputs", "targets"} texts; default the run's held-out examples.
+      tag: name of the written files and of the printed summary.
     """
-    examples = run.input.eval_examples
+    examples = run.input.eval_examples if examples is None else examples
     if not examples or run.config.family != "encoder_decoder":
         return {}
     cfg = run.config.decode
@@ -110,12 +163,13 @@ def score_examples(run, params, limit: int | None = None) -> dict[str, float]:
               else {"exact_match": exact_match(hyps, references)})
     if limit:
         return scores
-    (run.workdir / "heldout.src").write_text("".join(s + "\n" for s in sources), "utf-8")
-    (run.workdir / "heldout.ref").write_text("".join(r + "\n" for r in references), "utf-8")
-    (run.workdir / "heldout.hyp").write_text("".join(h + "\n" for h in hyps), "utf-8")
+    if jax.process_index() == 0:
+        for suffix, lines in (("src", sources), ("ref", references), ("hyp", hyps)):
+            (run.workdir / f"{tag}.{suffix}").write_text("".join(x + "\n" for x in lines),
+                                                        "utf-8")
     for src, hyp, ref in list(zip(sources, hyps, references, strict=True))[: cfg.num_print]:
         print(f"  {src!r} -> {hyp!r}  (reference {ref!r})")
-    print("held-out " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items())
+    print(f"{tag} " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items())
           + f"  ({len(examples)} examples)")
     return scores
 
@@ -152,22 +206,12 @@ class LoadedRun:
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int = 100,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0) -> list[str]:
-        """Continuations of `prompts` (temperature 0 = greedy)."""
+        """Continuations of `prompts` (temperature 0 = greedy); see generate_texts."""
         if self.family != "decoder_only":
             raise ValueError(f"generate needs a decoder_only run, this one is {self.family}")
-        rows = [list(self.tokenizer.encode(p)) or [PAD_ID] for p in prompts]
-        limit = self._max_input()
-        if limit is not None and max(len(r) for r in rows) + max_new_tokens > limit:
-            raise ValueError(f"prompt + max_new_tokens exceeds the model's max_length={limit}")
-        ids = np.zeros((len(rows), max(len(r) for r in rows)), np.int32)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = r
-        lengths = np.array([len(self.tokenizer.encode(p)) for p in prompts], np.int32)
-        out = generate.generate(
-            self.model, self.params, ids, max_new_tokens=max_new_tokens, greedy=temperature == 0,
-            temperature=max(temperature, 1e-6), top_k=top_k, top_p=top_p,
-            rng=jax.random.key(seed), eos_id=EOS_ID, prompt_lengths=lengths)
-        return [self.tokenizer.decode(row.tolist()) for row in np.asarray(out)]
+        return generate_texts(self.model, self.params, self.tokenizer, prompts,
+                              max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed)
 
     def _max_input(self) -> int | None:
         cfg = self.model.config

@@ -198,10 +198,18 @@ def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path):
     config.data.update(path=str(corpus), seq_length=16, batch_size=4, max_eval_batches=2)
     config.train.update(num_steps=20, log_every=5, eval_every=0, checkpoint_every=20)
     config.optim.update(warmup_steps=5)
+    config.decode.update(sample_length=40, sample_prompt="to")
     workdir = tmp_path / "lm"
     train_and_evaluate(config, workdir)
-    expected = load_run(workdir).generate(["to be"], max_new_tokens=12)
+    sample = (workdir / "sample.txt").read_text()
+    # <= 1 character per token (a barely trained model may sample PAD/BOS, shown as nothing).
+    assert sample.startswith("to") and 20 < len(sample) <= len("to") + 40 + 1
+    run = load_run(workdir)
+    expected = run.generate(["to be"], max_new_tokens=12)
     assert len(expected) == 1 and len(expected[0]) > 0
+    # Beyond the 64-position table: a sliding window, whose first chunk is the plain output.
+    long = run.generate(["to be"], max_new_tokens=100)[0]
+    assert len(long) == 100 and long.startswith(run.generate(["to be"], max_new_tokens=16)[0])
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("to be\n")
     proc = subprocess.run([sys.executable, "-m", "train.decode", f"--workdir={workdir}",
@@ -223,3 +231,41 @@ def test_a_partially_written_checkpoint_is_never_restored(full_run, tmp_path):
     ckpt = Checkpointer(workdir, read_only=True)
     assert ckpt.latest_step() == 30 and 40 not in ckpt.all_steps()
     assert load_run(workdir).step == 30
+
+
+def _write_pairs(directory, name, examples):
+    for side, key in (("en", "inputs"), ("de", "targets")):
+        (directory / f"{name}.{side}").write_text("".join(e[key] + "\n" for e in examples))
+
+
+def test_translation_recipe_averages_selects_on_val_and_reports_test(tmp_path):
+    import data
+    from configs import multi30k
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, n, seed in (("train", 400, 0), ("val", 12, 1), ("test", 10, 2)):
+        ds = data.number_words("train", num_examples=n, seed=seed)
+        _write_pairs(corpus, name, [ds[i] for i in range(n)])
+    config = multi30k.get_config()
+    config.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                        num_decoder_layers=1, max_length=64)
+    config.data.update(train_source=str(corpus / "train.en"), train_target=str(corpus / "train.de"),
+                       eval_source=str(corpus / "val.en"), eval_target=str(corpus / "val.de"),
+                       test_source=str(corpus / "test.en"), test_target=str(corpus / "test.de"),
+                       vocab_size=64, batch_size=8, max_inputs_length=32, max_targets_length=32,
+                       eval_batch_size=8, num_decode_examples=12)
+    config.train.update(num_steps=6, checkpoint_every=2, eval_every=0, log_every=3,
+                        average_last=3)
+    config.decode.update(beam_size=2, max_extra=4, num_print=0)
+    workdir = tmp_path / "run"
+    result = train_and_evaluate(config, workdir)
+    for key in ("bleu", "avg3_bleu", "test_bleu", "test_chrf", "selected_average"):
+        assert key in result, key
+    assert Checkpointer(workdir / "averaged", read_only=True).latest_step() == 6
+    assert len((workdir / "test.hyp").read_text().splitlines()) == 10
+    assert len((workdir / "heldout_avg3.hyp").read_text().splitlines()) == 12
+    saved = json.loads((workdir / "final_metrics.json").read_text())
+    assert saved["test_bleu"] == result["test_bleu"]
+    # Re-running the finished run reuses the averaged checkpoint instead of failing.
+    assert train_and_evaluate(config, workdir)["test_bleu"] == result["test_bleu"]
