@@ -222,6 +222,10 @@ def _averaged_params(run: Run, n: int):
     if not checkpoint_dir(out).is_dir() or not any(checkpoint_dir(out).iterdir()):
         average_checkpoints(run.workdir, out, n, run.state.params)
     source = Checkpointer(out, read_only=True, async_save=False)
+    if source.latest_step() != steps[-1]:  # from an earlier, shorter run: never overwritten
+        log.warning("not averaging: %s holds an average ending at step %s, not %d; move it "
+                    "away to average again", out, source.latest_step(), steps[-1])
+        return None
     return source.restore_params(source.latest_step(), run.state.params)
 
 
