@@ -50,20 +50,13 @@ def matmul_peak() -> dict[str, float]:
     for name, fn, args in (("numpy", np.matmul, (a, b)),
                            ("jax", jax.jit(jnp.matmul), (jnp.asarray(a), jnp.asarray(b)))):
         jax.block_until_ready(fn(*args))
-        out[name] = 2 * n**3 / min(_timed(fn, args) for _ in range(5))
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
+        out[name] = 2 * n**3 / min(times)
     return out
-
-
-def _timed(fn, args) -> float:
-    start = time.perf_counter()
-    jax_block(fn(*args))
-    return time.perf_counter() - start
-
-
-def jax_block(x):
-    import jax
-
-    return jax.block_until_ready(x)
 
 
 def model_flops(non_embedding_params: int) -> float:

@@ -189,9 +189,9 @@ def final_scores(run: Run, params) -> dict[str, float]:
             scores = predict.score_examples(run, averaged, tag=f"heldout_avg{n}")
             metric = "bleu" if "bleu" in result else "exact_match"
             result.update({f"avg{n}_{k}": v for k, v in scores.items()})
-            result["selected_average"] = float(scores[metric] > result[metric])
-            if scores[metric] > result[metric]:
-                params = averaged
+            better = scores[metric] > result[metric]
+            result["selected_average"] = float(better)
+            params = averaged if better else params
     if run.input.test_examples:
         scores = predict.score_examples(run, params, examples=run.input.test_examples, tag="test")
         result.update({f"test_{k}": v for k, v in scores.items()})

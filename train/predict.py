@@ -68,6 +68,11 @@ def translate_texts(model, params, tokenizer, texts: Sequence[str], *, beam_size
     return outputs
 
 
+def position_limit(model_config) -> int | None:
+    """The most tokens a model can attend over: its learned table's rows, else unbounded."""
+    return model_config.max_length if model_config.position_encoding == "learned" else None
+
+
 def generate_texts(model, params, tokenizer, prompts: Sequence[str], *,
                    max_new_tokens: int = 100, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, seed: int = 0) -> list[str]:
@@ -79,8 +84,7 @@ def generate_texts(model, params, tokenizer, prompts: Sequence[str], *,
     samplers crop their context); other position schemes generate in one go.
     """
     rows = [list(tokenizer.encode(p)) or [PAD_ID] for p in prompts]
-    cfg = model.config
-    limit = cfg.max_length if cfg.position_encoding == "learned" else None
+    limit = position_limit(model.config)
     if limit is None or max(len(r) for r in rows) + max_new_tokens <= limit:
         new = _generate_ids(model, params, rows, max_new_tokens, temperature, top_k, top_p, seed)
         return [tokenizer.decode(r) for r in new]
@@ -201,7 +205,8 @@ class LoadedRun:
             raise ValueError(f"translate needs an encoder_decoder run, this one is {self.family}")
         return translate_texts(self.model, self.params, self.tokenizer, texts,
                                beam_size=beam_size, alpha=alpha, max_extra=max_extra,
-                               batch_size=batch_size, max_input_length=self._max_input())
+                               batch_size=batch_size,
+                               max_input_length=position_limit(self.model.config))
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int = 100,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -213,9 +218,6 @@ class LoadedRun:
                               max_new_tokens=max_new_tokens, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed)
 
-    def _max_input(self) -> int | None:
-        cfg = self.model.config
-        return cfg.max_length if cfg.position_encoding == "learned" else None
 
 
 def load_run(workdir, step: int | None = None) -> LoadedRun:
