@@ -33,6 +33,7 @@ from jax import lax
 Array = Any
 PyTree = Any
 TokensToLogits = Callable[[Array, PyTree], tuple[Array, PyTree]]
+PathPredicate = Callable[[tuple], bool]
 
 # Finite "minus infinity" for log-probabilities and scores: sums and divisions
 # of it stay finite (no inf - inf = NaN), and anything below NEG_INF / 2 is dead.
@@ -223,11 +224,21 @@ def _gather(x: Array, idx: Array) -> Array:
     return jax.vmap(lambda row, i: row[i])(x, idx)
 
 
-def _gather_state(tree: PyTree, beam_idx: Array) -> PyTree:
-    """Reorders the [B * beam, ...] leaves by beam_idx [B, beam] (beams of the same row)."""
+def _gather_state(tree: PyTree, beam_idx: Array, per_source: PathPredicate | None) -> PyTree:
+    """Reorders the [B * beam, ...] leaves by beam_idx [B, beam] (beams of the same row).
+
+    Leaves marked per_source hold the same value for every beam of a row, so
+    reordering within the row would copy them unchanged: they are skipped.
+    """
     B, K = beam_idx.shape
     flat = (jnp.arange(B)[:, None] * K + beam_idx).reshape(-1)
-    return jax.tree_util.tree_map(lambda x: x if jnp.ndim(x) == 0 else x[flat], tree)
+
+    def reorder(path, x):
+        if jnp.ndim(x) == 0 or (per_source is not None and per_source(path)):
+            return x
+        return x[flat]
+
+    return jax.tree_util.tree_map_with_path(reorder, tree)
 
 
 class _BeamState(NamedTuple):
@@ -266,7 +277,7 @@ def _expand(tokens_to_logits, s: _BeamState):
     return seqs, top_logp, beam_idx, tokens, state
 
 
-def _beam_body(tokens_to_logits, s: _BeamState, limits, alpha, eos_id) -> _BeamState:
+def _beam_body(tokens_to_logits, s: _BeamState, limits, alpha, eos_id, per_source) -> _BeamState:
     K = s.live_logprobs.shape[1]
     seqs, top_logp, beam_idx, tokens, state = _expand(tokens_to_logits, s)
     length = s.step + 1
@@ -274,7 +285,7 @@ def _beam_body(tokens_to_logits, s: _BeamState, limits, alpha, eos_id) -> _BeamS
     ends = (tokens == eos_id) | (length >= limits[:, None])
     # Live: the best K candidates that go on.
     live_logp, keep = lax.top_k(jnp.where(ends | ~valid, NEG_INF, top_logp), K)
-    state = _gather_state(state, _gather(beam_idx, keep))
+    state = _gather_state(state, _gather(beam_idx, keep), per_source)
     # Finished: merge the candidates that end here into the K best so far.
     scores = jnp.where(ends & valid, top_logp / length_penalty(length, alpha), NEG_INF)
     fin_scores, fin_idx = lax.top_k(jnp.concatenate([s.finished_scores, scores], axis=1), K)
@@ -306,6 +317,7 @@ def beam_search(
     eos_id: int = 1,
     pad_id: int = 0,
     max_lens: Array | None = None,
+    per_source: PathPredicate | None = None,
 ) -> tuple[Array, Array]:
     """Beam search with the GNMT length penalty and early termination.
 
@@ -324,6 +336,11 @@ def beam_search(
       eos_id: end of sequence (-1: never).
       pad_id: written after EOS.
       max_lens: optional [B] per-row limits (e.g. source length + 50).
+      per_source: optional predicate on a state leaf's key path
+        (`jax.tree_util` keys): True for leaves the step never changes
+        per beam (the encoder output, cross-attention keys/values). They are
+        tiled once and not reordered after each step, which would copy them
+        unchanged; a leaf wrongly marked would keep stale beams.
 
     Returns:
       sequences [B, K, max_len] int32 (best first, pad_id after EOS) and their
@@ -338,7 +355,7 @@ def beam_search(
     init = _init_beams(state, first_ids, max_len, beam_size, pad_id)
     final = lax.while_loop(
         lambda s: _beam_running(s, max_len, limits, alpha),
-        lambda s: _beam_body(tokens_to_logits, s, limits, alpha, eos_id),
+        lambda s: _beam_body(tokens_to_logits, s, limits, alpha, eos_id, per_source),
         init,
     )
     return final.finished_seqs[:, :, 1:], final.finished_scores

@@ -98,6 +98,15 @@ def prepare_translation(model: EncoderDecoder, params, inputs: Array, max_len: i
     return step, state, jnp.full((inputs.shape[0],), cfg.bos_id, jnp.int32)
 
 
+# State leaves fixed per source sentence: beams of a row share them (see beam_search).
+_PER_SOURCE_KEYS = frozenset({"encoded", "src_seg", "cross_key", "cross_value"})
+
+
+def per_source_leaf(path: tuple) -> bool:
+    """True for translation state leaves that are the same for every beam of a row."""
+    return any(getattr(k, "key", None) in _PER_SOURCE_KEYS for k in path)
+
+
 def _source_limits(model, inputs, max_extra):
     """The paper's per-sentence limit: source length + max_extra, [B]."""
     return jnp.sum(inputs != model.config.pad_id, axis=1).astype(jnp.int32) + max_extra
@@ -129,7 +138,8 @@ def translate_beams(model: EncoderDecoder, params, inputs: Array, *, beam_size: 
     step, state, first = prepare_translation(model, params, inputs, max_len, use_cache=use_cache)
     return decoding.beam_search(step, state, first, max_len, beam_size=beam_size, alpha=alpha,
                                 eos_id=eos_id, pad_id=model.config.pad_id,
-                                max_lens=_source_limits(model, inputs, max_extra))
+                                max_lens=_source_limits(model, inputs, max_extra),
+                                per_source=per_source_leaf)
 
 
 def translate(model: EncoderDecoder, params, inputs: Array, *, beam_size: int = 4,

@@ -201,6 +201,29 @@ def test_beam_search_per_row_equals_row_alone():
     assert not np.array_equal(seqs[0], seqs[1])
 
 
+def test_per_source_leaves_are_not_reordered_and_beams_unchanged():
+    """Skipping the reorder of encoder output and cross K/V (the same for every
+    beam of a row) gives the beams of a search that reorders every leaf."""
+    model, params = _encdec(num_decoder_layers=2)
+    max_len = SOURCES.shape[1] + 5
+
+    def search(p, per_source):
+        step, state, first = gen.prepare_translation(model, p, SOURCES, max_len)
+        return decoding.beam_search(step, state, first, max_len, beam_size=4,
+                                    per_source=per_source)
+
+    fast = _fast_jit(lambda p: search(p, gen.per_source_leaf))(params)
+    full = _fast_jit(lambda p: search(p, None))(params)
+    np.testing.assert_array_equal(fast[0], full[0])
+    np.testing.assert_allclose(fast[1], full[1], rtol=1e-6)
+    _assert_varied(np.asarray(fast[0][:, 0]))
+    _, state, _ = gen.prepare_translation(model, params, SOURCES, max_len)
+    marked = {jax.tree_util.keystr(path).split("'")[-2]
+              for path, _ in jax.tree_util.tree_leaves_with_path(state)
+              if gen.per_source_leaf(path)}
+    assert marked == {"encoded", "src_seg", "cross_key", "cross_value"}
+
+
 # ------------------------------------------------------------ fake models: EOS and sampling
 
 
