@@ -1,6 +1,6 @@
 """Training-step speed: ours (jit) against PyTorch eager, and MFU against a measured peak.
 
-    python benchmarks/train_step.py [--steps 30] [--no-torch]
+    python benchmarks/train_step.py [--steps 30] [--rounds 2] [--no-torch]
 
 The fixed comparison model: encoder-decoder, shared vocabulary 8192, D 256,
 4 heads, F 1024, 3 + 3 layers, post-norm, sinusoidal positions, tied
@@ -9,7 +9,10 @@ attention weights, FFN hidden; plus the embeddings), label smoothing 0.1,
 Adam (0.9, 0.98, 1e-9), float32; batch 32 pairs x 32 source x 32 target tokens
 (no padding). Each framework runs in its own subprocess (a clean peak RSS, no
 shared thread pools); the peak is a 2048^3 float32 matmul (numpy and jax, the
-higher) measured in the same run.
+higher) measured in the same run. The two alternate for --rounds rounds (ours,
+torch, ours, torch, ...), so that a slow spell of a shared machine falls on
+both; each row pools its rounds' step times, and ours/torch is also printed
+per round.
 
 MFU = (6 * non-embedding params incl. the output projection * target tokens
        + attention matmul FLOPs) / step time / peak.
@@ -193,6 +196,7 @@ def _summary(name, times, compile_s, losses, *, non_embedding, total_params) -> 
             "ms_max": 1e3 * max(times), "tokens_per_s": BATCH * TGT_LEN / median,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "compile_s": compile_s, "first_loss": losses[0], "last_loss": losses[-1],
+            "times": list(times),
             "non_embedding_params": non_embedding, "params": total_params, "steps": len(times)}
 
 
@@ -209,6 +213,8 @@ def _child(framework: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="timed steps (after 3 warm-up)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="alternating ours/torch subprocess rounds (pooled)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -217,16 +223,34 @@ def main() -> None:
     if args.worker:
         print(json.dumps({"jax": run_jax, "torch": run_torch}[args.worker](args.steps)))
         return
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     peaks = matmul_peak()
     peak = max(peaks.values())
-    rows = [_child("jax", args.steps)]
+    frameworks = ["jax"]
     if not args.no_torch:
         try:
             import torch  # noqa: F401
-            rows.append(_child("torch", args.steps))
+            frameworks.append("torch")
         except ImportError:
             print("(PyTorch not installed: pip install -e '.[benchmark]' for the reference)")
-    _print(rows, peaks, peak)
+    rounds = [[_child(f, args.steps) for f in frameworks] for _ in range(args.rounds)]
+    _print([_pool([r[i] for r in rounds]) for i in range(len(frameworks))], peaks, peak)
+    if len(frameworks) > 1:
+        ratios = ", ".join(f"{r[0]['tokens_per_s'] / r[1]['tokens_per_s']:.2f}x" for r in rounds)
+        print(f"ours / torch per round: {ratios}")
+
+
+def _pool(results: list[dict]) -> dict:
+    """One row from several rounds of one framework: statistics over all their steps."""
+    times = [t for r in results for t in r["times"]]
+    row = dict(results[0], times=times, steps=len(times))
+    median = statistics.median(times)
+    row.update(ms_median=1e3 * median, ms_min=1e3 * min(times), ms_max=1e3 * max(times),
+               tokens_per_s=BATCH * TGT_LEN / median,
+               peak_rss_mib=max(r["peak_rss_mib"] for r in results),
+               compile_s=statistics.median(r["compile_s"] for r in results))
+    return row
 
 
 def _print(rows: list[dict], peaks: dict, peak: float) -> None:

@@ -72,11 +72,19 @@ def keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
         raise ValueError(f"keep_mask: {n} elements exceed the generator's {_MAX_ELEMENTS}")
     half = (n + 1) // 2
     k0, k1 = _key_words(rng)
-    counter = lax.iota(jnp.uint32, half)
-    words = _fmix32(_fmix32(counter ^ k0) + k1)
     # The low and high halves of word i are elements i and half + i.
-    draws = jnp.concatenate([words & jnp.uint32(0xFFFF), words >> 16])[:n]
-    return (draws < jnp.uint32(threshold)).reshape(shape)
+    if n > 2**32:  # element indices overflow uint32: hash once, concatenate the halves
+        words = _fmix32(_fmix32(lax.iota(jnp.uint32, half) ^ k0) + k1)
+        draws = jnp.concatenate([words & jnp.uint32(0xFFFF), words >> 16])[:n]
+        return (draws < jnp.uint32(threshold)).reshape(shape)
+    # Elementwise form of the same bits: each element hashes its own word, so the
+    # mask fuses into its consumers instead of being materialised (XLA:CPU runs
+    # concatenations slowly); hashing twice costs less than the memory traffic.
+    index = lax.iota(jnp.uint32, n).reshape(shape)
+    low = index < jnp.uint32(half)
+    words = _fmix32(_fmix32(jnp.where(low, index, index - jnp.uint32(half)) ^ k0) + k1)
+    draws = jnp.where(low, words & jnp.uint32(0xFFFF), words >> 16)
+    return draws < jnp.uint32(threshold)
 
 
 def dropout(x: Array, rate: float, rng: Array) -> Array:
