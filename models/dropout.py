@@ -42,6 +42,11 @@ def _fmix32(x: Array) -> Array:
     return x ^ (x >> 16)
 
 
+def _keyed_hash(counter: Array, k0: Array, k1: Array) -> Array:
+    """The 32-bit word of each counter: two finaliser rounds keyed by k0 and k1."""
+    return _fmix32(_fmix32(counter ^ k0) + k1)
+
+
 def _key_words(rng: Array) -> tuple[Array, Array]:
     data = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
     words = jnp.asarray(data).astype(jnp.uint32).reshape(-1)
@@ -76,7 +81,7 @@ def keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
     k0, k1 = _key_words(rng)
     # The low and high halves of word i are elements i and half + i.
     if n > 2**32:  # element indices overflow uint32: hash once, concatenate the halves
-        words = _fmix32(_fmix32(lax.iota(jnp.uint32, half) ^ k0) + k1)
+        words = _keyed_hash(lax.iota(jnp.uint32, half), k0, k1)
         draws = jnp.concatenate([words & jnp.uint32(0xFFFF), words >> 16])[:n]
         return (draws < jnp.uint32(threshold)).reshape(shape)
     # Elementwise form of the same bits: each element hashes its own word, so the
@@ -84,7 +89,7 @@ def keep_mask(rng: Array, rate: float, shape: tuple[int, ...]) -> Array:
     # concatenations slowly); hashing twice costs less than the memory traffic.
     index = lax.iota(jnp.uint32, n).reshape(shape)
     low = index < jnp.uint32(half)
-    words = _fmix32(_fmix32(jnp.where(low, index, index - jnp.uint32(half)) ^ k0) + k1)
+    words = _keyed_hash(jnp.where(low, index, index - jnp.uint32(half)), k0, k1)
     draws = jnp.where(low, words & jnp.uint32(0xFFFF), words >> 16)
     return draws < jnp.uint32(threshold)
 

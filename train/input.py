@@ -93,8 +93,12 @@ def _seq2seq_input(config, workdir, train_ds, eval_ds, tokenizer) -> Input:
         return data.make_batches(eval_ds, _batching(d, False), tokenizer=tokenizer, train=False)
 
     n = min(d.get("num_decode_examples", 0), len(eval_ds))
-    examples = [eval_ds[i] for i in range(n)]
-    return Input(tokenizer, train, eval_batches, examples)
+    return Input(tokenizer, train, eval_batches, _examples(eval_ds, n))
+
+
+def _examples(ds, n: int | None = None) -> list[dict]:
+    """The first n (default all) examples of a random-access dataset, as a list."""
+    return [ds[i] for i in range(len(ds) if n is None else n)]
 
 
 def _saved_or(workdir: Path, make: Callable[[], Any]):
@@ -163,7 +167,7 @@ def _parallel_files(config, workdir):
     if d.get("test_source"):
         test = data.parallel_files(_require(d.test_source, "data.test_source"),
                                    _require(d.test_target, "data.test_target"))
-        inp.test_examples = [test[i] for i in range(len(test))]
+        inp.test_examples = _examples(test)
     return inp
 
 
@@ -175,7 +179,7 @@ def _tfds_translation(config, workdir):
     inp = _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
     if d.get("test_split"):
         test = data.tfds_translation(d.tfds_name, d.test_split, **kw)
-        inp.test_examples = [test[i] for i in range(len(test))]
+        inp.test_examples = _examples(test)
     return inp
 
 

@@ -219,7 +219,8 @@ def _averaged_params(run: Run, n: int):
                     jax.process_count())
         return None
     out = run.workdir / "averaged"
-    if not checkpoint_dir(out).is_dir() or not any(checkpoint_dir(out).iterdir()):
+    saved = checkpoint_dir(out)
+    if not saved.is_dir() or not any(saved.iterdir()):
         average_checkpoints(run.workdir, out, n, run.state.params)
     source = Checkpointer(out, read_only=True, async_save=False)
     if source.latest_step() != steps[-1]:  # from an earlier, shorter run: never overwritten

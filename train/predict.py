@@ -124,9 +124,8 @@ def _generate_ids(model, params, rows, n, temperature, top_k, top_p, seed) -> li
 
 def _extra_room(model_config, width: int, max_extra: int) -> int:
     """Output room beyond the input width; a learned position table caps it."""
-    if model_config.position_encoding != "learned":
-        return max_extra
-    return max(min(max_extra, model_config.max_length - width), 1)
+    limit = position_limit(model_config)
+    return max_extra if limit is None else max(min(max_extra, limit - width), 1)
 
 
 def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
