@@ -13,6 +13,7 @@ from models import (  # noqa: F401
     hardware_attention,
     linear_attention,
     local_attention,
+    streamed,
 )
 from models.attention import MultiHeadAttention
 from models.blocks import DecoderBlock, EncoderBlock
@@ -41,6 +42,7 @@ from models.positional import (
     apply_rope,
     sinusoidal_encoding,
 )
+from models.projection import Projection
 from models.transformer import DecoderOnly, EncoderDecoder, EncoderOnly, shift_right
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "ModelConfig",
     "MultiHeadAttention",
+    "Projection",
     "RMSNorm",
     "alibi_bias",
     "alibi_slopes",
@@ -77,4 +80,5 @@ __all__ = [
     "segment_mask",
     "shift_right",
     "sinusoidal_encoding",
+    "streamed",
 ]

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import axes
+from models import axes, streamed
 from models.dot_product import (
     alibi_bias,
     attention_dropout,
@@ -31,55 +31,20 @@ from models.dot_product import (
 )
 from models.masks import AttentionMask
 from models.positional import alibi_slopes, apply_rope
+from models.projection import Projection
 
 Array = Any
 
 
-class Projection(nn.Module):
-    """A multi-axis dense layer, x [..., *in] @ kernel [*in, *features] + bias.
-
-    Like nn.DenseGeneral (same parameter names, shapes and initial values), but
-    the kernel is created in its full shape, so its logical axis names apply
-    as declared under a mesh (DenseGeneral flattens it; google/flax#3676).
-
-    Attributes:
-      features: output dims, e.g. (N, H), or D for the output projection.
-      kernel_axes: logical names of the kernel dims.
-      in_dims: how many trailing input dims are contracted.
-      use_bias: add a bias of shape `features`.
-    """
-
-    features: int | tuple[int, ...]
-    kernel_axes: tuple[str, ...]
-    in_dims: int = 1
-    use_bias: bool = False
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: Array) -> Array:
-        features = self.features if isinstance(self.features, tuple) else (self.features,)
-        in_shape = x.shape[x.ndim - self.in_dims:]
-        fan_in, fan_out = math.prod(in_shape), math.prod(features)
-
-        def init(key, shape, dtype):  # xavier on the flattened matrix, as DenseGeneral
-            return nn.initializers.xavier_uniform()(key, (fan_in, fan_out), dtype).reshape(shape)
-
-        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.kernel_axes),
-                            (*in_shape, *features), self.param_dtype)
-        y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.in_dims)
-        if self.use_bias:
-            bias_axes = self.kernel_axes[len(self.kernel_axes) - len(features):]
-            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                                   bias_axes),
-                              features, self.param_dtype)
-            y = y + bias.astype(self.dtype)
-        return y
+_Q_AXES = (axes.EMBED, axes.HEADS, axes.HEAD_DIM)
+_KV_AXES = (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM)
 
 
-def _proj(features, kernel_axes, *, axis=-1, use_bias, dtype, param_dtype, name):
+def _proj(features, kernel_axes, *, axis=-1, use_bias, dtype, param_dtype, name,
+          streamable=True):
     in_dims = len(axis) if isinstance(axis, tuple) else 1
-    return Projection(features, kernel_axes, in_dims, use_bias, dtype, param_dtype, name=name)
+    return Projection(features, kernel_axes, in_dims, use_bias, streamable, dtype, param_dtype,
+                      name=name)
 
 
 class MultiHeadAttention(nn.Module):
@@ -148,14 +113,13 @@ class MultiHeadAttention(nn.Module):
         """
         N, K, H, Hv = self._dims(inputs_q.shape[-1])
         kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-        query = _proj((N, H), (axes.EMBED, axes.HEADS, axes.HEAD_DIM), name="query", **kw)(inputs_q)
         is_cross = inputs_kv is not None
         if is_cross:
+            query = _proj((N, H), _Q_AXES, name="query", **kw)(inputs_q)
             key, value = self._cross_kv(inputs_kv, K, H, Hv, decode, kw)
         else:
-            kv_axes = (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM)
-            key = _proj((K, H), kv_axes, name="key", **kw)(inputs_q)
-            value = _proj((K, Hv), kv_axes, name="value", **kw)(inputs_q)
+            query, key, value = self._self_qkv(inputs_q, {"query": (N, H), "key": (K, H),
+                                                          "value": (K, Hv)}, kw)
         if decode and not is_cross:
             query, key, value, mask = self._decode_step(query, key, value, mask, q_positions)
         elif self.position_encoding == "rope" and not is_cross:
@@ -189,15 +153,42 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"position_encoding='rope' needs an even head_dim, got {H}")
         return N, K, H, self.v_head_dim or H
 
+    def _self_qkv(self, x, shapes: dict[str, tuple[int, int]], kw):
+        """Self-attention's query, key and value [B, T, heads, dim].
+
+        In a streamed decoding step (models/streamed.py) one product against
+        the three kernels, transposed and concatenated once per decode: three
+        products would share one broadcast of x, which XLA:CPU then stores.
+        """
+        projs = {name: _proj(shape, _Q_AXES if name == "query" else _KV_AXES, name=name,
+                             streamable=False, **kw) for name, shape in shapes.items()}
+        D, lead = x.shape[-1], x.shape[:-1]
+        fused = streamed.decode_weight(self, "qkv_t", lambda: jnp.concatenate(
+            [self._child_param(name, "kernel").reshape(D, -1).T for name in shapes]))
+        if fused is None or not streamed.fits(math.prod(lead)):
+            return tuple(proj(x) for proj in projs.values())
+        y = streamed.streamed_matmul(x.reshape(-1, D), fused)
+        outs, start = [], 0
+        for name, shape in shapes.items():
+            size = math.prod(shape)
+            part = y[:, start:start + size].astype(self.dtype).reshape(*lead, *shape)
+            start += size
+            if self.use_bias:
+                part = part + self._child_param(name, "bias").astype(self.dtype)
+            outs.append(part)
+        return tuple(outs)
+
+    def _child_param(self, child: str, name: str) -> Array:
+        """A projection's parameter, read without calling the projection."""
+        return nn.meta.unbox(self.variables["params"][child][name])
+
     def _cross_kv(self, inputs_kv, K, H, Hv, decode, kw):
         """Projects the encoder output; with decode, once per source (cached)."""
         if decode and self.has_variable("cache", "cross_key"):
             return (self.get_variable("cache", "cross_key"),
                     self.get_variable("cache", "cross_value"))
-        key = _proj((K, H), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="key", **kw)(inputs_kv)
-        value = _proj((K, Hv), (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM), name="value", **kw)(
-            inputs_kv
-        )
+        key = _proj((K, H), _KV_AXES, name="key", **kw)(inputs_kv)
+        value = _proj((K, Hv), _KV_AXES, name="value", **kw)(inputs_kv)
         if decode:  # head-major like the self-attention cache
             key, value = _to_kv_major(key), _to_kv_major(value)
             self.variable("cache", "cross_key", lambda: key)

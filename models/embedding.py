@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import axes
+from models import axes, streamed
 
 Array = Any
 
@@ -68,7 +68,13 @@ def tied_logits(x: Array, table: Array) -> Array:
     gradient is formed as x^T g [D, V] and transposed (V * D elements), where
     the direct g^T x makes XLA:CPU write a transposed copy of g (V * tokens
     elements, 4x more at 1k tokens per batch) first.
+
+    With few rows on CPU (decoding steps) the logits are a streamed product
+    (models/streamed.py): the [V, D] table is already the layout it reads.
     """
+    rows = math.prod(x.shape[:-1])
+    if streamed.enabled() and streamed.fits(rows):  # a decoding step: stream the table
+        return streamed.streamed_matmul(x.reshape(rows, -1), table).reshape(*x.shape[:-1], -1)
     return jnp.einsum("...d,vd->...v", x, table)
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models import decoding
+from models import decoding, streamed
 from models.transformer import DecoderOnly, EncoderDecoder, default_segmentation
 
 Array = Any
@@ -41,16 +41,30 @@ def _check_model(model, family) -> None:
 # ------------------------------------------------------------------------------ EncoderDecoder
 
 
+def _created_collections() -> list[str]:
+    """What the cache-creating call creates: the KV cache and, on CPU, the
+    transposed kernels that the steps stream (models/streamed.py)."""
+    return ["cache", streamed.DECODE_WEIGHTS] if streamed.enabled() else ["cache"]
+
+
+def _fixed_variables(params, created) -> dict:
+    """The variables every step reads and none writes: the parameters and the
+    decode weights. They stay outside the search state, which beam search
+    reorders every step."""
+    return {"params": params, **{k: v for k, v in created.items() if k != "cache"}}
+
+
 def _encdec_cached(model, params, encoded, src_seg, max_len):
     """Cache-creating call (projects cross K/V once), then one token per step."""
     B = encoded.shape[0]
     dummy = jnp.zeros((B, max_len), jnp.int32)
     _, init = model.apply({"params": params}, encoded, src_seg, dummy, decode=True,
-                          mutable=["cache"], method=EncoderDecoder.decode)
+                          mutable=_created_collections(), method=EncoderDecoder.decode)
+    fixed = _fixed_variables(params, init)
 
     def step(ids, state):
         logits, new = model.apply(
-            {"params": params, "cache": state["cache"]}, state["encoded"], state["src_seg"], ids,
+            {**fixed, "cache": state["cache"]}, state["encoded"], state["src_seg"], ids,
             decode=True, mutable=["cache"], method=EncoderDecoder.decode,
         )
         return logits, {**state, "cache": new["cache"]}
@@ -194,16 +208,16 @@ def _deconly_cached(model, params, aligned, slot_valid, positions):
     B, S_max = slot_valid.shape
     P = aligned.shape[1] - 1
     _, init = model.apply({"params": params}, jnp.zeros((B, S_max), jnp.int32), decode=True,
-                          mutable=["cache"])
-    cache = init["cache"]
+                          mutable=_created_collections())
+    cache, fixed = init["cache"], _fixed_variables(params, init)
     if P > 0:
-        _, new = model.apply({"params": params, "cache": cache}, aligned[:, :P], slot_valid,
+        _, new = model.apply({**fixed, "cache": cache}, aligned[:, :P], slot_valid,
                              positions[:, :P], decode=True, mutable=["cache"])
         cache = new["cache"]
 
     def step(ids, state):
         logits, new = model.apply(
-            {"params": params, "cache": state["cache"]}, ids, state["slot_valid"],
+            {**fixed, "cache": state["cache"]}, ids, state["slot_valid"],
             state["position"][:, None], decode=True, mutable=["cache"],
         )
         return logits, {**state, "cache": new["cache"], "position": state["position"] + 1}

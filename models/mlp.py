@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from models import axes
 from models.dropout import Dropout
+from models.projection import Projection
 
 Array = Any
 
@@ -21,19 +22,15 @@ ACTIVATIONS = {
 }
 
 
-def dense(features, in_axis: str, out_axis: str, *, use_bias: bool, dtype, param_dtype, name):
-    """A Dense layer whose kernel and bias carry logical axis names."""
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nn.with_logical_partitioning(
-            nn.initializers.xavier_uniform(), (in_axis, out_axis)
-        ),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)),
-        name=name,
-    )
+def dense(features, in_axis: str, out_axis: str, *, use_bias: bool, dtype, param_dtype, name,
+          streamable: bool = True):
+    """A Dense layer whose kernel and bias carry logical axis names.
+
+    nn.Dense's parameters (names, shapes, xavier-uniform kernel, zero bias),
+    through `Projection`, which also streams its kernel in decoding steps.
+    """
+    return Projection(features, (in_axis, out_axis), use_bias=use_bias, streamable=streamable,
+                      dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 class FeedForward(nn.Module):
@@ -62,9 +59,13 @@ class FeedForward(nn.Module):
             )
         act, gated = ACTIVATIONS[self.activation]
         kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        # Two streamed products of one x would share its broadcast, which XLA:CPU
+        # stores (models/streamed.py): gated variants keep the dot for wi.
+        kw["streamable"] = not gated
         h = act(dense(self.d_ff, axes.EMBED, axes.MLP, name="wi", **kw)(x))
         if gated:
             h = h * dense(self.d_ff, axes.EMBED, axes.MLP, name="wi_gate", **kw)(x)
+        kw["streamable"] = True
         h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, axes.MLP))
         h = Dropout(self.dropout_rate)(h, deterministic=deterministic)
         return dense(x.shape[-1], axes.MLP, axes.EMBED, name="wo", **kw)(h)
