@@ -96,19 +96,23 @@ def generate_texts(model, params, tokenizer, prompts: Sequence[str], *,
     for i in range(0, max_new_tokens, chunk):
         windows = [(r + o)[-context:] for r, o in zip(rows, outputs, strict=True)]
         n = min(chunk, max_new_tokens - i)
-        new = _generate_ids(model, params, windows, n, temperature, top_k, top_p, seed + i)
+        # Every chunk has the same shapes (windows padded to `context`, `chunk` new
+        # ids, the surplus dropped), so one compiled program serves them all.
+        new = _generate_ids(model, params, windows, chunk, temperature, top_k, top_p, seed + i,
+                            width=context)
         for j, ids in enumerate(new):
             if not done[j]:
-                outputs[j] += ids
-                done[j] = len(ids) < n  # stopped at EOS
+                outputs[j] += ids[:n]
+                done[j] = EOS_ID in ids[:n]
         if all(done):
             break
     return [tokenizer.decode(o) for o in outputs]
 
 
-def _generate_ids(model, params, rows, n, temperature, top_k, top_p, seed) -> list[list[int]]:
-    """n new ids per row (cut after EOS)."""
-    ids = np.zeros((len(rows), max(len(r) for r in rows)), np.int32)
+def _generate_ids(model, params, rows, n, temperature, top_k, top_p, seed,
+                  width: int = 0) -> list[list[int]]:
+    """n new ids per row (cut after EOS); prompts padded to at least `width` columns."""
+    ids = np.zeros((len(rows), max(width, *(len(r) for r in rows))), np.int32)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
     out = generate.generate(
