@@ -15,6 +15,7 @@ from models import axes
 from models.attention import MultiHeadAttention
 from models.config import ModelConfig
 from models.dropout import Dropout
+from models.gradient_barrier import stored_gradient
 from models.mlp import FeedForward
 from models.norms import make_norm
 
@@ -63,6 +64,7 @@ class Residual(nn.Module):
         norm = make_norm(cfg.norm, cfg.norm_epsilon, cfg.dtype, cfg.param_dtype, name="norm")
         drop = Dropout(cfg.dropout_rate)
         if cfg.norm_position == "pre":
+            x = stored_gradient(x)  # XLA:CPU would recompute the residual gradient chain
             return x + drop(sublayer(norm(x)), deterministic=deterministic)
         return norm(x + drop(sublayer(x), deterministic=deterministic))
 
