@@ -61,11 +61,10 @@ class FeedForward(nn.Module):
         kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
         # Two streamed products of one x would share its broadcast, which XLA:CPU
         # stores (models/streamed.py): gated variants keep the dot for wi.
-        kw["streamable"] = not gated
-        h = act(dense(self.d_ff, axes.EMBED, axes.MLP, name="wi", **kw)(x))
+        h = act(dense(self.d_ff, axes.EMBED, axes.MLP, name="wi", streamable=not gated, **kw)(x))
         if gated:
-            h = h * dense(self.d_ff, axes.EMBED, axes.MLP, name="wi_gate", **kw)(x)
-        kw["streamable"] = True
+            h = h * dense(self.d_ff, axes.EMBED, axes.MLP, name="wi_gate", streamable=False,
+                          **kw)(x)
         h = nn.with_logical_constraint(h, (axes.BATCH, axes.LENGTH, axes.MLP))
         h = Dropout(self.dropout_rate)(h, deterministic=deterministic)
         return dense(x.shape[-1], axes.MLP, axes.EMBED, name="wo", **kw)(h)

@@ -6,7 +6,7 @@ kernels read a [K, N] kernel at 2.5-5 GB/s at M = 8 rows (they pack it for
 the GEMM as if it were reused), whereas a multiply + reduce over K against the
 kernel stored transposed, [N, K], reads each weight row once, contiguously,
 for all M rows: 2-2.7x faster at M = 8 and 1.5-2x at M = 32 on the 2-core
-dev machine (benchmarks/README.md, "Decoding").
+dev machine (benchmarks/README.md, "weight-streaming decoding steps").
 
 The transposed copies live in the "decode_weights" collection, which models/
 generate.py creates on CPU in its cache-creating call (`Projection` adds

@@ -4,11 +4,14 @@ the conditional that stops XLA:CPU recomputing pre-norm residual gradients."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from zoo_testlib import init, normal, tiny_config
 
 import models
 from models import gradient_barrier
 from models.gradient_barrier import stored_gradient
+
+pytestmark = pytest.mark.usefixtures("fast_compilation")
 
 
 def _loss(x):

@@ -16,6 +16,8 @@ from models.projection import Projection
 
 DW = streamed.DECODE_WEIGHTS
 
+pytestmark = pytest.mark.usefixtures("fast_compilation")
+
 
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_streamed_matmul_matches_float64(rows):
@@ -62,8 +64,10 @@ def test_projection_streamed_equals_dot(features, in_dims):
 def test_init_never_creates_decode_weights():
     """init makes every collection mutable; a stored copy would go stale in training."""
     ids = jnp.ones((2, 6), jnp.int32)
-    assert set(models.EncoderDecoder(tiny_config()).init(key(), ids, ids)) == {"params"}
-    variables = models.DecoderOnly(tiny_config()).init(key(), ids, decode=True)
+    encdec = models.EncoderDecoder(tiny_config())
+    assert set(jax.eval_shape(encdec.init, key(), ids, ids)) == {"params"}
+    variables = jax.eval_shape(lambda: models.DecoderOnly(tiny_config()).init(key(), ids,
+                                                                              decode=True))
     assert set(variables) == {"params", "cache"}
 
 
@@ -124,10 +128,9 @@ def test_translation_streamed_equals_unstreamed(monkeypatch):
 def test_generation_creates_decode_weights_only_on_cpu(monkeypatch):
     model = models.DecoderOnly(tiny_config())
     prompts = jnp.array([[5, 6, 0], [7, 8, 9]])
-    params = init(model, prompts)
+    params = jax.eval_shape(lambda: init(model, prompts))
     for on in (True, False):
         monkeypatch.setattr(streamed, "enabled", lambda on=on: on)
-        step, state, first = gen.prepare_generation(model, params, prompts, 3)
-        assert DW not in state  # beam search reorders the state; weights stay outside
-        created = gen._created_collections()
-        assert (DW in created) == on
+        assert (DW in gen._created_collections()) == on
+        state = jax.eval_shape(lambda p: gen.prepare_generation(model, p, prompts, 3)[1], params)
+        assert DW not in state  # beam search reorders the state; the weights stay outside
