@@ -167,11 +167,11 @@ class MultiHeadAttention(nn.Module):
             [self._child_param(name, "kernel").reshape(D, -1).T for name in shapes]))
         if fused is None or not streamed.fits(math.prod(lead)):
             return tuple(proj(x) for proj in projs.values())
-        y = streamed.streamed_matmul(x.reshape(-1, D), fused)
+        y = streamed.streamed_matmul(x, fused).astype(self.dtype)
         outs, start = [], 0
         for name, shape in shapes.items():
             size = math.prod(shape)
-            part = y[:, start:start + size].astype(self.dtype).reshape(*lead, *shape)
+            part = y[..., start:start + size].reshape(*lead, *shape)
             start += size
             if self.use_bias:
                 part = part + self._child_param(name, "bias").astype(self.dtype)

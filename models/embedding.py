@@ -72,9 +72,8 @@ def tied_logits(x: Array, table: Array) -> Array:
     With few rows on CPU (decoding steps) the logits are a streamed product
     (models/streamed.py): the [V, D] table is already the layout it reads.
     """
-    rows = math.prod(x.shape[:-1])
-    if streamed.enabled() and streamed.fits(rows):  # a decoding step: stream the table
-        return streamed.streamed_matmul(x.reshape(rows, -1), table).reshape(*x.shape[:-1], -1)
+    if streamed.enabled() and streamed.fits(math.prod(x.shape[:-1])):  # a decoding step
+        return streamed.streamed_matmul(x, table)
     return jnp.einsum("...d,vd->...v", x, table)
 
 

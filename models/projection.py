@@ -54,7 +54,7 @@ class Projection(nn.Module):
         ) if self.streamable else None
         lead = x.shape[:x.ndim - self.in_dims]
         if kernel_t is not None and streamed.fits(math.prod(lead)):
-            y = streamed.streamed_matmul(x.reshape(-1, fan_in), kernel_t)
+            y = streamed.streamed_matmul(x.reshape(*lead, fan_in), kernel_t)
             y = y.astype(self.dtype).reshape(*lead, *features)
         else:
             y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.in_dims)

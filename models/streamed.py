@@ -58,14 +58,16 @@ def decode_weight(module, name: str, make: Callable[[], Array]) -> Array | None:
 
 
 def streamed_matmul(x: Array, w_t: Array) -> Array:
-    """x [M, K] @ w_t[N, K]^T -> [M, N] in float32, one contiguous pass over w_t.
+    """x [..., K] @ w_t[N, K]^T -> [..., N] in float32, one contiguous pass over w_t.
 
     The product is formed as an elementwise multiply reduced over K, which XLA
-    fuses into one loop over the rows of w_t (the [N, M, K] product is never
-    stored). Products and sums are float32 for any input dtype, as in a dot.
+    fuses into one loop over the rows of w_t (the [N, M, K] product, M the
+    leading rows of x, is never stored). Products and sums are float32 for any
+    input dtype, as in a dot.
     """
-    if x.ndim != 2 or w_t.ndim != 2 or x.shape[1] != w_t.shape[1]:
+    if x.ndim < 1 or w_t.ndim != 2 or x.shape[-1] != w_t.shape[1]:
         raise ValueError(f"streamed_matmul: x {x.shape} and w_t {w_t.shape} are not "
-                         "[M, K] and [N, K]")
-    prod = w_t.astype(jnp.float32)[:, None, :] * x.astype(jnp.float32)[None, :, :]
-    return jnp.sum(prod, axis=-1).T
+                         "[..., K] and [N, K]")
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    prod = w_t.astype(jnp.float32)[:, None, :] * rows[None, :, :]
+    return jnp.sum(prod, axis=-1).T.reshape(*x.shape[:-1], w_t.shape[0])
