@@ -113,9 +113,32 @@ def greedy_search(
     Returns:
       [B, max_len] int32 generated tokens (EOS included), pad_id after EOS.
     """
-    select = lambda logits, step: jnp.argmax(logits, axis=-1)
+    select = lambda logits, step: first_argmax(logits)
     return _token_loop(tokens_to_logits, state, first_ids, max_len, select, eos_id, pad_id,
                        max_lens)
+
+
+def first_argmax(x: Array) -> Array:
+    """jnp.argmax(x, axis=-1) (first maximum; first NaN if any), from two plain reduces.
+
+    XLA:CPU lowers argmax to a (value, index) reduce that does not vectorise: on
+    a [8, 8192] decoding step it takes ~0.33 ms, ~30% of a greedy step. A max,
+    then the lowest index holding it, is ~4x faster and returns the same index.
+
+    Args:
+      x: [..., V] float scores, V < 2^24 (the indices are reduced as float32).
+
+    Returns:
+      [...] int32 indices.
+    """
+    V = x.shape[-1]
+    if V >= 2**24 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    nan = jnp.isnan(x)
+    # XLA:CPU's vectorised max may skip NaNs, so rows holding one are told apart.
+    hit = jnp.where(nan.any(-1, keepdims=True), nan, x == x.max(-1, keepdims=True))
+    index = lax.broadcasted_iota(jnp.float32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, float(V)), axis=-1).astype(jnp.int32)
 
 
 def filter_logits(logits: Array, top_k: Array | int = 0, top_p: Array | float = 1.0) -> Array:

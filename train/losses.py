@@ -86,10 +86,19 @@ smoothed_token_loss.defvjp(_smoothed_fwd, _smoothed_bwd)
 def token_metrics(
     logits: Array, targets: Array, weights: Array, alpha: float
 ) -> dict[str, Array]:
-    """Sums for loss, nll (unsmoothed), correct tokens and token count."""
+    """Sums for loss, nll (unsmoothed), correct tokens and token count.
+
+    A token is correct when its target's logit is the row's maximum. That is
+    argmax(logits) == target except on exact ties for the maximum (argmax takes
+    the lowest index), and it costs one plain max-reduce, which the loss needs
+    anyway: XLA:CPU lowers argmax to a (value, index) reduce that runs ~10-30x
+    slower than a max over the same [B, T, V] logits (benchmarks/README.md).
+    """
     loss, count = label_smoothed_cross_entropy(logits, targets, weights, alpha)
     nll, _ = label_smoothed_cross_entropy(logits, targets, weights, 0.0)
-    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * weights
+    logits = logits.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    correct = (target_logit >= logits.max(-1)).astype(jnp.float32) * weights
     return {"loss_sum": loss, "nll_sum": nll, "correct_sum": correct.sum(), "tokens": count}
 
 

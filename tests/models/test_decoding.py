@@ -323,6 +323,27 @@ def test_beam_search_stops_early_when_no_live_beam_can_win():
     assert scores[0, 0] > scores[0, 1] > decoding.NEG_INF / 2
 
 
+def test_first_argmax_equals_argmax_with_ties_nans_and_infinities():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((400, 50)).astype(np.float32)
+    x[:, 7] = x.max(1)  # every row ties at least once: the first maximum wins
+    x[::3, 20] = x[::3].max(1)
+    x[::5, 2] = x[::5].max(1)
+    x[5, 3] = np.nan  # argmax returns the first NaN
+    x[9, [40, 4]] = np.nan
+    x[11, :] = -np.inf
+    x[12, 30] = np.inf
+    x[13, 1:3] = np.inf
+    for arr in (jnp.asarray(x), jnp.asarray(x, jnp.bfloat16), jnp.asarray(x).reshape(8, 50, 50)):
+        want = np.asarray(jnp.argmax(arr, axis=-1))
+        got = jax.jit(decoding.first_argmax)(arr)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(np.asarray(decoding.first_argmax(arr)), want)
+    ints = jnp.asarray(rng.integers(0, 5, (20, 9)))  # integer scores fall back to argmax
+    np.testing.assert_array_equal(decoding.first_argmax(ints), jnp.argmax(ints, -1))
+
+
 def test_filter_logits_keeps_top_k_and_nucleus():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     kept = lambda **kw: np.isfinite(np.asarray(decoding.filter_logits(logits, **kw)))[0].tolist()

@@ -107,6 +107,23 @@ def test_summary_metrics():
     np.testing.assert_allclose(out["perplexity"], math.exp(nll), rtol=1e-6)
 
 
+def test_accuracy_counts_the_argmax_tokens():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((4, 16, 300)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 300, (4, 16)))
+    targets = targets.at[:, ::3].set(jnp.argmax(logits, -1)[:, ::3])  # a third are hits
+    weights = jnp.asarray(rng.random((4, 16)) < 0.8, jnp.float32)
+    sums = jax.jit(token_metrics, static_argnums=3)(logits, targets, weights, 0.1)
+    want = float(((jnp.argmax(logits, -1) == targets) * weights).sum())
+    assert want > 10
+    assert float(sums["correct_sum"]) == want
+    # An exact tie for the maximum counts as correct for every tied class.
+    tied = jnp.array([[[2.0, 5.0, 5.0]]])
+    for target in (1, 2):
+        out = token_metrics(tied, jnp.array([[target]]), jnp.ones((1, 1)), 0.0)
+        assert float(out["correct_sum"]) == 1.0
+
+
 def _optim(**kw):
     base = dict(name="adamw", b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1, schedule="constant",
                 learning_rate=1e-3, warmup_steps=1, clip_norm=1.0, grad_accum_steps=1)
