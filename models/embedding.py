@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from models import axes, streamed
+from models.gradient_barrier import stored_transpose
 
 Array = Any
 
@@ -67,7 +68,7 @@ def tied_logits(x: Array, table: Array) -> Array:
     array of a training step, the logits gradient g [..., V]: the table's
     gradient is formed as x^T g [D, V] and transposed (V * D elements), where
     the direct g^T x makes XLA:CPU write a transposed copy of g (V * tokens
-    elements, 4x more at 1k tokens per batch) first.
+    elements, 4x more at 1k tokens per batch) first, or run a slower Eigen dot.
 
     With few rows on CPU (decoding steps) the logits are a streamed product
     (models/streamed.py): the [V, D] table is already the layout it reads.
@@ -84,8 +85,11 @@ def _tied_logits_fwd(x, table):
 def _tied_logits_bwd(residuals, g):
     x, table = residuals
     dx = jnp.einsum("...v,vd->...d", g, table)
-    dtable_t = jnp.einsum("...d,...v->dv", x, g)
-    return dx, dtable_t.T
+    # Both transposes are stored (gradient_barrier.stored_transpose), so the
+    # [D, V] product stays a plain dot, a YNNPACK one on CPU; a bare final .T
+    # would be folded into the dot, swapping it back to g^T x (Eigen).
+    x_t = stored_transpose(x.reshape(-1, x.shape[-1]))
+    return dx, stored_transpose(x_t @ g.reshape(-1, g.shape[-1]))
 
 
 tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)

@@ -13,6 +13,13 @@ their predicate on the host, which would synchronise every layer.
 
 The char LM step runs 1.15-1.17x faster with losses bitwise equal
 (benchmarks/README.md); post-norm stacks showed no change and do not use it.
+
+`stored_transpose` uses the same conditional for a weight gradient's layout.
+A dense layer's kernel gradient x^T g contracts the first dimension of both
+operands; XLA:CPU folds any transpose into the dot, and its YNNPACK fusion only
+takes a left operand that contracts its last dimension, so every such dot ran
+in Eigen at about half the speed. Behind a conditional the transpose stays a
+written [K, M] array and the dot an ordinary one (models/projection.py).
 """
 
 from __future__ import annotations
@@ -51,3 +58,16 @@ def _bwd(_, g):
 
 
 stored_gradient.defvjp(_fwd, _bwd)
+
+
+def stored_transpose(x: Array) -> Array:
+    """x [M, K] -> x^T [K, M], written out on CPU where XLA cannot fold it into a dot.
+
+    The values are x.T's (a -0.0 may read +0.0 when x's first element is NaN).
+    """
+    if x.ndim != 2:
+        raise ValueError(f"stored_transpose: x must be [M, K], got shape {x.shape}")
+    if not enabled():
+        return x.T
+    first = x.reshape(-1)[0]
+    return lax.cond(first == first, lambda v: v.T, lambda v: v.T + 0.0, x)
