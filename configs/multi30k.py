@@ -2,7 +2,7 @@
 
     python -m train --config configs/multi30k.py --workdir runs/multi30k
 
-One command trains (~46 min on the 2-core Zen 5 dev machine), checkpoints every 100 steps,
+One command trains (~37 min on the 2-core Zen 5 dev machine), checkpoints every 100 steps,
 decodes val (beam 4, alpha 0.6) with the final and with the average of the
 last 5 checkpoints, keeps the better on val, and decodes test2016 with it:
 sacreBLEU / chrF in WORKDIR/final_metrics.json, hypotheses in WORKDIR/test.hyp.
@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     o.warmup_steps = 500
 
     t = config.train
-    # ~46 min of training (~21 epochs) at ~0.6 s/step on the 2-core Zen 5 dev
+    # ~37 min of training (~21 epochs) at ~0.5 s/step on the 2-core Zen 5 dev
     # machine: with the evaluations and the decodes at the end the whole command
     # fits in 60 min. On a ~3x slower machine (the Zen 4 of the first sessions,
     # ~1.9 s/step) --config.train.num_steps=1600 fits instead.
