@@ -77,8 +77,8 @@ def dense_matmul(x: Array, w: Array) -> Array:
 
     The kernel gradient x^T g is computed from a stored x^T [K, M]
     (`gradient_barrier.stored_transpose`), so on CPU it runs as a YNNPACK dot
-    instead of Eigen's transposed-operand dot, about twice as fast at these
-    shapes. With the tied table's gradient done alike, the issue-9 training step
+    instead of Eigen's transposed-operand dot: 1.1-1.5x faster at these shapes,
+    the copy included. With the tied table's gradient done alike, the issue-9 training step
     ran 1.19-1.21x faster, losses equal to 1e-5 (benchmarks/README.md, session 5).
     """
     return x @ w
