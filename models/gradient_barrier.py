@@ -47,14 +47,17 @@ def _fwd(x):
     return x, None
 
 
-def _bwd(_, g):
-    if not enabled():
-        return (g,)
-    first = g.reshape(-1)[0]
+def _behind_conditional(x: Array, f) -> Array:
+    """f(x), computed inside a conditional that fusion and folding do not cross."""
+    first = x.reshape(-1)[0]
     # True unless the first element is NaN; the branches must differ or XLA merges
     # them and removes the conditional. They agree except for -0.0 elements, and
-    # then only in a gradient that already holds a NaN.
-    return (lax.cond(first == first, lambda v: v, lambda v: v + 0.0, g),)
+    # then only when x already holds a NaN.
+    return lax.cond(first == first, f, lambda v: f(v) + 0.0, x)
+
+
+def _bwd(_, g):
+    return (_behind_conditional(g, lambda v: v) if enabled() else g,)
 
 
 stored_gradient.defvjp(_fwd, _bwd)
@@ -67,7 +70,4 @@ def stored_transpose(x: Array) -> Array:
     """
     if x.ndim != 2:
         raise ValueError(f"stored_transpose: x must be [M, K], got shape {x.shape}")
-    if not enabled():
-        return x.T
-    first = x.reshape(-1)[0]
-    return lax.cond(first == first, lambda v: v.T, lambda v: v.T + 0.0, x)
+    return _behind_conditional(x, lambda v: v.T) if enabled() else x.T
