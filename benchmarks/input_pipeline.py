@@ -21,6 +21,10 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+from train.host_memory import restart_with_huge_pages  # noqa: E402
+
+restart_with_huge_pages()  # as python -m train does (train/host_memory.py)
+
 import data  # noqa: E402
 
 DEFAULT_DIR = os.path.join(_ROOT, "..", "shared", "data", "multi30k")

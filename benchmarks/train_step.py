@@ -12,7 +12,9 @@ shared thread pools); the peak is a 2048^3 float32 matmul (numpy and jax, the
 higher) measured in the same run. The two alternate for --rounds rounds (ours,
 torch, ours, torch, ...), so that a slow spell of a shared machine falls on
 both; each row pools its rounds' step times, and ours/torch is also printed
-per round.
+per round. Both workers run with the malloc environment of `python -m train`
+(train/host_memory.py: glibc's huge-page tunable, so XLA's per-step buffers
+are not faulted in 4 KiB at a time); --system-malloc runs them without it.
 
 MFU = (6 * non-embedding params incl. the output projection * target tokens
        + attention matmul FLOPs) / step time / peak.
@@ -169,7 +171,7 @@ def run_torch(steps: int) -> dict:
         loss = loss_fn(model(src, tgt_in).reshape(-1, VOCAB), tgt.reshape(-1))
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if i >= WARMUP_STEPS:
             times.append(time.perf_counter() - start)
     total = sum(p.numel() for p in model.parameters())
@@ -200,10 +202,11 @@ def _summary(name, times, compile_s, losses, *, non_embedding, total_params) -> 
             "non_embedding_params": non_embedding, "params": total_params, "steps": len(times)}
 
 
-def _child(framework: str, steps: int) -> dict:
+def _child(framework: str, steps: int, malloc_env: dict[str, str]) -> dict:
     cmd = [sys.executable, __file__, "--worker", framework, "--steps", str(steps)]
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               **malloc_env)
     out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"{framework} worker failed:\n{out.stderr[-3000:]}")
@@ -216,6 +219,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2,
                         help="alternating ours/torch subprocess rounds (pooled)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="run the workers without python -m train's malloc environment")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 20:
@@ -234,11 +239,23 @@ def main() -> None:
             frameworks.append("torch")
         except ImportError:
             print("(PyTorch not installed: pip install -e '.[benchmark]' for the reference)")
-    rounds = [[_child(f, args.steps) for f in frameworks] for _ in range(args.rounds)]
+    malloc_env = _malloc_env(args.system_malloc)
+    rounds = [[_child(f, args.steps, malloc_env) for f in frameworks]
+              for _ in range(args.rounds)]
     _print([_pool([r[i] for r in rounds]) for i in range(len(frameworks))], peaks, peak)
     if len(frameworks) > 1:
         ratios = ", ".join(f"{r[0]['tokens_per_s'] / r[1]['tokens_per_s']:.2f}x" for r in rounds)
         print(f"ours / torch per round: {ratios}")
+
+
+def _malloc_env(system_malloc: bool) -> dict[str, str]:
+    """The workers' malloc environment (python -m train's unless told otherwise)."""
+    from train.host_memory import huge_page_env
+
+    env = {} if system_malloc else huge_page_env()
+    described = " ".join(f"{k}={v}" for k, v in env.items()) or "unchanged"
+    print(f"worker malloc environment: {described}")
+    return env
 
 
 def _pool(results: list[dict]) -> dict:

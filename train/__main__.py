@@ -4,13 +4,20 @@ Trains (resuming from DIR if it holds checkpoints), evaluates, decodes
 held-out examples and prints the metric.
 """
 
-import logging
-import sys
+from train.host_memory import restart_with_huge_pages
 
-from absl import app, flags
-from ml_collections import config_flags
+# Before numpy or jax are imported: on CPU, restarts this command once with
+# glibc's huge-page tunable, so XLA's per-step buffers are not faulted in 4 KiB
+# at a time (train/host_memory.py).
+restart_with_huge_pages()
 
-from train.loop import NonFiniteLossError, train_and_evaluate
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from train.loop import NonFiniteLossError, train_and_evaluate  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", lock_config=True)

@@ -1,0 +1,88 @@
+"""Huge pages for XLA:CPU's per-step buffers, so they are not faulted in 4 KiB at a time.
+
+XLA:CPU allocates the temporary buffer of each execution with malloc and frees
+it when the execution ends; for the issue-9 benchmark step that buffer is 228
+MiB. glibc serves every allocation above 32 MiB with a fresh `mmap` and unmaps
+it on free, so every step the kernel maps and zeroes the whole buffer again, one
+4 KiB page at a time: 62,000 page faults and ~0.13 s of system time per step on
+the 2-core dev machine, a quarter of the step (benchmarks/README.md, session 6).
+
+With glibc's tunable `glibc.malloc.hugetlb=1` (glibc >= 2.35), malloc asks the
+kernel for transparent huge pages on the blocks it maps, and the same buffer
+takes ~600 faults of 2 MiB. The step ran 1.1-1.3x faster, peak RSS +10%.
+Keeping freed memory in the heap instead (`MALLOC_MMAP_MAX_=0` and one arena)
+was as fast but let the heap grow by several buffers' worth through
+fragmentation, so it is not used.
+
+glibc reads tunables only at process start, so `python -m train` restarts
+itself once with the tunable set (`restart_with_huge_pages`), before importing
+numpy or jax. Nothing changes where the tunable would do nothing or the user
+chose: not glibc >= 2.35, transparent huge pages not in `madvise` mode (with
+`always` the kernel already uses them; with `never` it cannot), `GLIBC_TUNABLES`
+or a `MALLOC_*` variable already set, or jax likely to pick an accelerator,
+which allocates the step's buffers itself.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+
+TUNABLE = "glibc.malloc.hugetlb=1"
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+_USER_SETTINGS = ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_",
+                  "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def user_configured(environ=None) -> bool:
+    """Whether the environment already sets glibc's malloc (then it is left alone)."""
+    environ = os.environ if environ is None else environ
+    return any(name in environ for name in _USER_SETTINGS)
+
+
+def cpu_backend_expected(environ=None) -> bool:
+    """Whether jax will run on its CPU backend, judged without importing jax."""
+    environ = os.environ if environ is None else environ
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    # Unset: jax takes an accelerator when a plugin for one is installed.
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return False
+    return not any(importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu"))
+
+
+def huge_pages_supported(thp_mode_file: str = _THP_MODE) -> bool:
+    """glibc >= 2.35 (the tunable) and transparent huge pages in `madvise` mode."""
+    libc, version = platform.libc_ver()
+    if not sys.platform.startswith("linux") or libc != "glibc":
+        return False
+    try:
+        if tuple(int(part) for part in version.split(".")[:2]) < (2, 35):
+            return False
+        with open(thp_mode_file) as f:
+            return "[madvise]" in f.read()
+    except (OSError, ValueError):
+        return False
+
+
+def huge_page_env(environ=None) -> dict[str, str]:
+    """The variables to add for huge pages here: {} where nothing should change."""
+    environ = os.environ if environ is None else environ
+    if user_configured(environ) or not cpu_backend_expected(environ):
+        return {}
+    return {"GLIBC_TUNABLES": TUNABLE} if huge_pages_supported() else {}
+
+
+def restart_with_huge_pages() -> None:
+    """Re-run this process's command with `huge_page_env()` set; return if it is empty.
+
+    Call it first thing in a program's entry point: the process is replaced
+    (same PID and open files), so nothing done before the call survives.
+    """
+    extra = huge_page_env()
+    if extra:
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, **extra})
