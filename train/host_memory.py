@@ -5,14 +5,16 @@ it when the execution ends; for the issue-9 benchmark step that buffer is 228
 MiB. glibc serves every allocation above 32 MiB with a fresh `mmap` and unmaps
 it on free, so every step the kernel maps and zeroes the whole buffer again, one
 4 KiB page at a time: 62,000 page faults and ~0.13 s of system time per step on
-the 2-core dev machine, a quarter of the step (benchmarks/README.md, session 6).
+the 2-core dev machine, a sixth of the step's CPU time (benchmarks/README.md,
+session 6).
 
 With glibc's tunable `glibc.malloc.hugetlb=1` (glibc >= 2.35), malloc asks the
 kernel for transparent huge pages on the blocks it maps, and the same buffer
-takes ~600 faults of 2 MiB. The step ran 1.1-1.3x faster, peak RSS +10%.
-Keeping freed memory in the heap instead (`MALLOC_MMAP_MAX_=0` and one arena)
-was as fast but let the heap grow by several buffers' worth through
-fragmentation, so it is not used.
+takes ~600 faults. The benchmark step ran 1.10-1.17x faster with the same peak
+RSS; the default recipe's training 2 min 20-24 s -> 2 min 2-15 s, peak RSS
+0.90 -> 0.97-1.01 GB. Keeping freed memory in the heap instead
+(`MALLOC_MMAP_MAX_=0` and one arena) was as fast, but fragmentation let the heap
+grow by up to seven buffers' worth, so it is not used.
 
 glibc reads tunables only at process start, so `python -m train` restarts
 itself once with the tunable set (`restart_with_huge_pages`), before importing
