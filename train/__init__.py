@@ -27,6 +27,7 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
+
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'train' has no attribute {name!r}")

@@ -27,10 +27,10 @@ which allocates the step's buffers itself.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
-import platform
 import sys
 
 TUNABLE = "glibc.malloc.hugetlb=1"
@@ -57,17 +57,24 @@ def cpu_backend_expected(environ=None) -> bool:
     return not any(importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu"))
 
 
+def glibc_version() -> tuple[int, ...] | None:
+    """The running glibc's version, e.g. (2, 36); None for another C library."""
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+        return tuple(int(part) for part in version.split(".")) if name == "glibc" else None
+    except (AttributeError, OSError, TypeError, ValueError):  # not glibc, or not POSIX
+        return None
+
+
 def huge_pages_supported(thp_mode_file: str = _THP_MODE) -> bool:
     """glibc >= 2.35 (the tunable) and transparent huge pages in `madvise` mode."""
-    libc, version = platform.libc_ver()
-    if not sys.platform.startswith("linux") or libc != "glibc":
+    version = glibc_version()
+    if not sys.platform.startswith("linux") or version is None or version < (2, 35):
         return False
     try:
-        if tuple(int(part) for part in version.split(".")[:2]) < (2, 35):
-            return False
         with open(thp_mode_file) as f:
             return "[madvise]" in f.read()
-    except (OSError, ValueError):
+    except OSError:
         return False
 
 
@@ -86,5 +93,7 @@ def restart_with_huge_pages() -> None:
     (same PID and open files), so nothing done before the call survives.
     """
     extra = huge_page_env()
-    if extra:
-        os.execve(sys.executable, sys.orig_argv, {**os.environ, **extra})
+    if extra and sys.executable:
+        # If it cannot re-run (e.g. the interpreter moved), it carries on as is.
+        with contextlib.suppress(OSError):
+            os.execve(sys.executable, sys.orig_argv, {**os.environ, **extra})

@@ -101,12 +101,26 @@ def test_cpu_backend_expected_reads_jax_platforms_and_plugins(monkeypatch):
                                             ("always madvise [never]", False)])
 def test_huge_pages_supported_needs_madvise_mode(tmp_path, monkeypatch, mode, expected):
     monkeypatch.setattr(host_memory.sys, "platform", "linux")
-    monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(host_memory, "glibc_version", lambda: (2, 36))
     mode_file = tmp_path / "enabled"
     mode_file.write_text(mode + "\n")
     assert host_memory.huge_pages_supported(str(mode_file)) is expected
-    monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("glibc", "2.31"))
-    assert host_memory.huge_pages_supported(str(mode_file)) is False
+    for old_or_other in ((2, 31), None):
+        monkeypatch.setattr(host_memory, "glibc_version", lambda v=old_or_other: v)
+        assert host_memory.huge_pages_supported(str(mode_file)) is False
+
+
+def test_glibc_version_reads_the_running_library(monkeypatch):
+    monkeypatch.setattr(host_memory.os, "confstr", lambda name: "glibc 2.36")
+    assert host_memory.glibc_version() == (2, 36)
+    monkeypatch.setattr(host_memory.os, "confstr", lambda name: "musl 1.2")
+    assert host_memory.glibc_version() is None
+
+    def unknown(name):
+        raise ValueError(f"unrecognized configuration name {name}")
+
+    monkeypatch.setattr(host_memory.os, "confstr", unknown)
+    assert host_memory.glibc_version() is None
 
 
 def test_python_m_train_restarts_before_numpy_or_jax():
