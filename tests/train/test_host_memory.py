@@ -34,16 +34,17 @@ print(json.dumps({"tunables": os.environ.get("GLIBC_TUNABLES"),
 """
 
 
-def _clean_env(**extra) -> dict:
+def _clean_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not host_memory.user_configured({k: v})}
-    return {**env, "JAX_PLATFORMS": "cpu", **extra}
+    return {**env, "JAX_PLATFORMS": "cpu"}
 
 
-def _run(code: str, *args: str, env: dict) -> str:
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
+def _run(code: str, env: dict) -> list[str]:
+    """The stdout lines of `python -c code`, which must succeed."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=False, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1]
+    return out.stdout.strip().splitlines()
 
 
 @pytest.mark.skipif(not host_memory.huge_pages_supported(),
@@ -52,8 +53,8 @@ def test_the_tunable_cuts_page_faults_of_xla_buffers():
     base = _clean_env()
     extra = host_memory.huge_page_env(base)
     assert extra == {"GLIBC_TUNABLES": host_memory.TUNABLE}
-    default = json.loads(_run(_PROBE, env=base))
-    huge = json.loads(_run(_PROBE, env={**base, **extra}))
+    default = json.loads(_run(_PROBE, base)[-1])
+    huge = json.loads(_run(_PROBE, {**base, **extra})[-1])
     assert huge["tunables"] == host_memory.TUNABLE
     # By default all 4 KiB pages of the buffer fault in every call; with 2 MiB
     # pages 1/512 of them would (measured: ~1/30 with everything else the
@@ -69,11 +70,8 @@ def test_restart_sets_the_tunable_once():
             "print('start', os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
             "host_memory.restart_with_huge_pages()\n"
             "print('running', os.environ.get('GLIBC_TUNABLES'))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(),
-                         capture_output=True, text=True, check=False, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["start None", f"start {host_memory.TUNABLE}",
-                                       f"running {host_memory.TUNABLE}"]
+    assert _run(code, _clean_env()) == ["start None", f"start {host_memory.TUNABLE}",
+                                        f"running {host_memory.TUNABLE}"]
 
 
 def test_user_settings_and_accelerators_are_left_alone(monkeypatch):
@@ -135,4 +133,4 @@ def test_python_m_train_restarts_before_numpy_or_jax():
             "except SystemExit:\n"
             "    pass\n"
             "print(seen)\n")
-    assert _run(code, env=_clean_env()) == "[[]]"
+    assert _run(code, _clean_env())[-1] == "[[]]"
