@@ -1,6 +1,6 @@
 """Decoding speed: KV cache against recomputing the whole prefix every step.
 
-    python benchmarks/decode.py [--encoder-decoder-only]
+    python benchmarks/decode.py [--encoder-decoder-only] [--kernels portable]
 
 EncoderDecoder at the Multi30k recipe size (D 256, 4 heads, F 1024, 3 + 3
 layers, V 8192), batch 8, source length 32, 64 new tokens, greedy and beam 4;
@@ -11,6 +11,9 @@ decoder over the prefix padded to the maximum length at every step; its steps
 all cost the same, so for the decoder-only model it is timed over its first
 16 steps of a run sized for N tokens. ms/token is wall time per decoding step
 (one token for each of the 8 rows), best of a few runs after compilation.
+The models run with the XLA:CPU layer (kernels=cpu: streamed weight products in
+the cached steps), as `python -m train.decode` does on CPU; `--kernels
+portable` times the portable default instead.
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ def _init(model, *example):
     return jax.jit(model.init)(jax.random.PRNGKey(0), *example)["params"]
 
 
-def bench_encoder_decoder() -> list[dict]:
-    cfg = models.ModelConfig(**SIZES, num_encoder_layers=3, num_decoder_layers=3)
+def bench_encoder_decoder(kernels: str) -> list[dict]:
+    cfg = models.ModelConfig(**SIZES, num_encoder_layers=3, num_decoder_layers=3,
+                             kernels=kernels)
     model = models.EncoderDecoder(cfg)
     inputs = jax.random.randint(jax.random.PRNGKey(1), (BATCH, SOURCE_LEN), 3, cfg.vocab_size)
     params = _init(model, inputs, inputs)
@@ -86,8 +90,8 @@ def _lm_runner(model, n_tokens: int, steps: int, use_cache: bool):
     return jax.jit(run)
 
 
-def bench_decoder_only() -> list[dict]:
-    cfg = models.ModelConfig(**SIZES, num_decoder_layers=3)
+def bench_decoder_only(kernels: str) -> list[dict]:
+    cfg = models.ModelConfig(**SIZES, num_decoder_layers=3, kernels=kernels)
     model = models.DecoderOnly(cfg)
     prompts = jax.random.randint(jax.random.PRNGKey(2), (BATCH, PROMPT_LEN), 3, cfg.vocab_size)
     params = _init(model, prompts)
@@ -131,9 +135,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--encoder-decoder-only", action="store_true",
                         help="skip the decoder-only length sweep (~2 min instead of ~5)")
+    parser.add_argument("--kernels", choices=[k.value for k in models.Kernels], default="cpu",
+                        help="the models' kernels (default cpu, as python -m train.decode)")
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s)")
-    enc = bench_encoder_decoder()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} "
+          f"device(s), kernels={args.kernels}")
+    enc = bench_encoder_decoder(args.kernels)
     _print_encoder_decoder(enc)
     fast_enough = all(r["no_cache_ms"] / r["cache_ms"] >= 5 for r in enc)
     print(f"\ncache >= 5x faster at {NEW_TOKENS} tokens: {fast_enough}")
@@ -143,7 +150,7 @@ def main():
           "(target <= 8)")
     if args.encoder_decoder_only:
         return
-    lm = bench_decoder_only()
+    lm = bench_decoder_only(args.kernels)
     _print_decoder_only(lm)
     flat = lm[-1]["cache_ms"] / lm[0]["cache_ms"] <= 1.5
     print(f"cached cost flat (512 vs 64 within 1.5x): {flat}")

@@ -1,6 +1,7 @@
 """Training-step speed: ours (jit) against PyTorch eager, and MFU against a measured peak.
 
     python benchmarks/train_step.py [--steps 30] [--rounds 2] [--no-torch]
+                                    [--kernels cpu,portable]
 
 The fixed comparison model: encoder-decoder, shared vocabulary 8192, D 256,
 4 heads, F 1024, 3 + 3 layers, post-norm, sinusoidal positions, tied
@@ -15,6 +16,9 @@ both; each row pools its rounds' step times, and ours/torch is also printed
 per round. Both workers run with the malloc environment of `python -m train`
 (train/host_memory.py: glibc's huge-page tunable, so XLA's per-step buffers
 are not faulted in 4 KiB at a time); --system-malloc runs them without it.
+Ours runs with the models' XLA:CPU layer (kernels=cpu, as `python -m train`
+does on CPU); `--kernels cpu,portable` also times the portable default in each
+round, to show what the layer buys.
 
 MFU = (6 * non-embedding params incl. the output projection * target tokens
        + attention matmul FLOPs) / step time / peak.
@@ -76,7 +80,7 @@ def model_flops(non_embedding_params: int) -> float:
 # ---------------------------------------------------------------- ours
 
 
-def run_jax(steps: int) -> dict:
+def run_jax(steps: int, kernels: str = "cpu") -> dict:
     import jax
 
     import models
@@ -87,7 +91,8 @@ def run_jax(steps: int) -> dict:
     cfg = models.ModelConfig(vocab_size=VOCAB, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF,
                              num_encoder_layers=LAYERS, num_decoder_layers=LAYERS,
                              dropout_rate=DROPOUT, attention_dropout_rate=DROPOUT,
-                             activation_dropout_rate=DROPOUT, max_length=64)
+                             activation_dropout_rate=DROPOUT, max_length=64,
+                             kernels=kernels)
     model = models.EncoderDecoder(cfg)
     optim = common.base_config().optim  # the paper's Adam and warmup schedule
     tx, schedule = make_optimizer(optim, D_MODEL, 100_000)
@@ -110,7 +115,7 @@ def run_jax(steps: int) -> dict:
             times.append(time.perf_counter() - start)
     embed = params["target_embed"]["embedding"].size  # shared by encoder, decoder and output
     total = sum(x.size for x in jax.tree.leaves(params))
-    return _summary("ours (jax.jit)", times, compile_s, losses,
+    return _summary(f"ours (jax.jit, kernels={kernels})", times, compile_s, losses,
                     non_embedding=total - embed + D_MODEL * VOCAB, total_params=total)
 
 
@@ -202,8 +207,9 @@ def _summary(name, times, compile_s, losses, *, non_embedding, total_params) -> 
             "non_embedding_params": non_embedding, "params": total_params, "steps": len(times)}
 
 
-def _child(framework: str, steps: int, malloc_env: dict[str, str]) -> dict:
-    cmd = [sys.executable, __file__, "--worker", framework, "--steps", str(steps)]
+def _child(framework: str, steps: int, malloc_env: dict[str, str], kernels: str = "cpu") -> dict:
+    cmd = [sys.executable, __file__, "--worker", framework, "--steps", str(steps),
+           "--kernels", kernels]
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                **malloc_env)
@@ -221,30 +227,37 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--system-malloc", action="store_true",
                         help="run the workers without python -m train's malloc environment")
+    parser.add_argument("--kernels", default="cpu",
+                        help="comma-separated models.Kernels values for ours: cpu (the CLIs' "
+                             "choice on CPU), portable, or both")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    kernels = args.kernels.split(",")
+    if not kernels or any(k not in ("cpu", "portable") for k in kernels):
+        parser.error(f"--kernels takes cpu and/or portable, got {args.kernels!r}")
     if args.steps < 20:
         parser.error(f"--steps must be >= 20 for a median, got {args.steps}")
     if args.worker:
-        print(json.dumps({"jax": run_jax, "torch": run_torch}[args.worker](args.steps)))
+        worker = (lambda steps: run_jax(steps, kernels[0])) if args.worker == "jax" else run_torch
+        print(json.dumps(worker(args.steps)))
         return
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     peaks = matmul_peak()
     peak = max(peaks.values())
-    frameworks = ["jax"]
+    frameworks = [("jax", k) for k in kernels]
     if not args.no_torch:
         try:
             import torch  # noqa: F401
-            frameworks.append("torch")
+            frameworks.append(("torch", "cpu"))
         except ImportError:
             print("(PyTorch not installed: pip install -e '.[benchmark]' for the reference)")
     malloc_env = _malloc_env(args.system_malloc)
-    rounds = [[_child(f, args.steps, malloc_env) for f in frameworks]
+    rounds = [[_child(f, args.steps, malloc_env, k) for f, k in frameworks]
               for _ in range(args.rounds)]
     _print([_pool([r[i] for r in rounds]) for i in range(len(frameworks))], peaks, peak)
-    if len(frameworks) > 1:
-        ratios = ", ".join(f"{r[0]['tokens_per_s'] / r[1]['tokens_per_s']:.2f}x" for r in rounds)
+    if frameworks[-1][0] == "torch":
+        ratios = ", ".join(f"{r[0]['tokens_per_s'] / r[-1]['tokens_per_s']:.2f}x" for r in rounds)
         print(f"ours / torch per round: {ratios}")
 
 
@@ -286,8 +299,8 @@ def _print(rows: list[dict], peaks: dict, peak: float) -> None:
               f"| {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / ours['tokens_per_s']:.2f}x "
               f"| {100 * mfu:.1f}% | {r['peak_rss_mib']:.0f} | {r['compile_s']:.1f} "
               f"| {r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
-    if len(rows) > 1:
-        print(f"ours / torch tokens/s: {ours['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x")
+    if rows[-1]["name"].startswith("PyTorch"):
+        print(f"ours / torch tokens/s: {ours['tokens_per_s'] / rows[-1]['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

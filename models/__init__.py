@@ -4,16 +4,21 @@ Shape letters used in every docstring and einsum:
   B batch, T query length, S key/value length, N heads, K key/value heads,
   G = N / K groups, H head dim, D model dim, F ffn dim, V vocab.
 Attention tensors are [B, T, N, H]; scores are [B, N, T, S].
+
+Every module is plain, backend-neutral JAX by default (`kernels=Kernels.PORTABLE`):
+grad, jvp, vmap and jax.export work through it on every platform. The XLA:CPU
+layer (models/cpu_kernels.py) is opt-in with `kernels=Kernels.CPU`.
 """
 
 # Importing the implementation modules registers them with dot_product_attention.
 from models import (  # noqa: F401
     axes,
     blockwise,
+    cpu_kernels,
     hardware_attention,
     linear_attention,
     local_attention,
-    streamed,
+    variants,
 )
 from models.attention import MultiHeadAttention
 from models.blocks import DecoderBlock, EncoderBlock
@@ -44,9 +49,19 @@ from models.positional import (
 )
 from models.projection import Projection
 from models.transformer import DecoderOnly, EncoderDecoder, EncoderOnly, shift_right
+from models.variants import (
+    AttentionImpl,
+    FfnActivation,
+    Kernels,
+    Norm,
+    NormPosition,
+    PositionEncoding,
+    ScoreFn,
+)
 
 __all__ = [
     "PRESETS",
+    "AttentionImpl",
     "AttentionMask",
     "DecoderBlock",
     "DecoderOnly",
@@ -56,17 +71,24 @@ __all__ = [
     "EncoderDecoder",
     "EncoderOnly",
     "FeedForward",
+    "FfnActivation",
+    "Kernels",
     "LayerNorm",
     "LearnedPositionalEmbedding",
     "ModelConfig",
     "MultiHeadAttention",
+    "Norm",
+    "NormPosition",
+    "PositionEncoding",
     "Projection",
     "RMSNorm",
+    "ScoreFn",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
     "attention_impls",
     "axes",
+    "cpu_kernels",
     "causal_mask",
     "combine_masks",
     "dot_product_attention",
@@ -80,5 +102,5 @@ __all__ = [
     "segment_mask",
     "shift_right",
     "sinusoidal_encoding",
-    "streamed",
+    "variants",
 ]

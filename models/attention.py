@@ -7,12 +7,14 @@ Incremental decoding (`decode=True`) keeps a key/value cache in the "cache"
 collection. The first call with decode=True (usually inside `init` or an
 initialisation apply over a [B, S_max] dummy) only creates the cache; later
 calls write their T new keys at `cache_index` and attend causally over the
-cache. Cross-attention caches its projected keys/values on first use, so the
-encoder output is projected once per source.
+cache (within `attention_window` when set, as the full pass does).
+Cross-attention caches its projected keys/values on first use, so the encoder
+output is projected once per source.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -20,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import axes, streamed
+from models import axes, cpu_kernels
 from models.dot_product import (
     alibi_bias,
     attention_dropout,
@@ -32,6 +34,14 @@ from models.dot_product import (
 from models.masks import AttentionMask
 from models.positional import alibi_slopes, apply_rope
 from models.projection import Projection
+from models.variants import (
+    AttentionImpl,
+    Kernels,
+    PositionEncoding,
+    ScoreFn,
+    parse,
+    parse_attention_impl,
+)
 
 Array = Any
 
@@ -40,11 +50,9 @@ _Q_AXES = (axes.EMBED, axes.HEADS, axes.HEAD_DIM)
 _KV_AXES = (axes.EMBED, axes.KV_HEADS, axes.HEAD_DIM)
 
 
-def _proj(features, kernel_axes, *, axis=-1, use_bias, dtype, param_dtype, name,
-          streamable=True):
+def _proj(features, kernel_axes, *, axis=-1, name, **kw):
     in_dims = len(axis) if isinstance(axis, tuple) else 1
-    return Projection(features, kernel_axes, in_dims, use_bias, streamable, dtype, param_dtype,
-                      name=name)
+    return Projection(features, kernel_axes, in_dims, name=name, **kw)
 
 
 class MultiHeadAttention(nn.Module):
@@ -58,11 +66,17 @@ class MultiHeadAttention(nn.Module):
       out_features: output width (None = input width D).
       use_bias: biases in the four projections.
       dropout_rate: dropout on the attention weights.
-      score_fn: "dot" (scaled dot product) or "additive" (Bahdanau: v^T tanh(q + k)).
-      position_encoding: "rope" rotates q and k, "alibi" biases the scores;
-        other values are ignored here (they act on the embeddings).
+      score_fn: a `ScoreFn`: "dot" (scaled dot product) or "additive"
+        (Bahdanau: v^T tanh(q + k)).
+      position_encoding: a `PositionEncoding`: "rope" rotates q and k, "alibi"
+        biases the scores; the others act on the embeddings, not here.
       rope_base: RoPE base frequency.
-      attention_impl: dot_product_attention implementation.
+      attention_impl: a registered dot_product_attention implementation.
+      attention_window: sliding window w of self-attention (None = none): a
+        query sees keys w positions back when causal, w // 2 either way
+        otherwise. In a full pass it is added to an `AttentionMask` mask that
+        has no window; in decoding steps it applies over the cache slots.
+      kernels: PORTABLE (plain JAX) or CPU (models/cpu_kernels.py).
       dtype: compute dtype.
       param_dtype: parameter dtype.
     """
@@ -74,12 +88,24 @@ class MultiHeadAttention(nn.Module):
     out_features: int | None = None
     use_bias: bool = False
     dropout_rate: float = 0.0
-    score_fn: str = "dot"
-    position_encoding: str = "none"
+    score_fn: ScoreFn = ScoreFn.DOT
+    position_encoding: PositionEncoding = PositionEncoding.NONE
     rope_base: float = 10000.0
-    attention_impl: str = "xla"
+    attention_impl: AttentionImpl | str = AttentionImpl.XLA
+    attention_window: int | None = None
+    kernels: Kernels = Kernels.PORTABLE
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        parse(ScoreFn, self.score_fn, "MultiHeadAttention.score_fn")
+        parse(PositionEncoding, self.position_encoding, "MultiHeadAttention.position_encoding")
+        parse(Kernels, self.kernels, "MultiHeadAttention.kernels")
+        parse_attention_impl(self.attention_impl, "MultiHeadAttention.attention_impl")
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(f"MultiHeadAttention.attention_window must be >= 1, got "
+                             f"{self.attention_window}")
+        super().__post_init__()
 
     @nn.compact
     def __call__(
@@ -99,8 +125,9 @@ class MultiHeadAttention(nn.Module):
         Args:
           inputs_q: [B, T, D].
           inputs_kv: [B, S, D] for cross-attention, None for self-attention.
-          mask: bool mask (dense [B, 1|N, T, S] or AttentionMask); with
-            decode=True a dense mask over the cache slots [B, 1|N, T, S_max].
+          mask: bool mask (dense [B, 1|N, T, S] or AttentionMask; with
+            attention_window, an AttentionMask or None); with decode=True a
+            dense mask over the cache slots [B, 1|N, T, S_max].
           q_positions: [B|1, T] positions for RoPE (default 0..T-1, or the
             cache slots when decoding).
           kv_positions: [B|1, S] key positions for RoPE.
@@ -112,7 +139,8 @@ class MultiHeadAttention(nn.Module):
           [B, T, out_features], and the weights if requested.
         """
         N, K, H, Hv = self._dims(inputs_q.shape[-1])
-        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        kw = dict(use_bias=self.use_bias, kernels=self.kernels, dtype=self.dtype,
+                  param_dtype=self.param_dtype)
         is_cross = inputs_kv is not None
         if is_cross:
             query = _proj((N, H), _Q_AXES, name="query", **kw)(inputs_q)
@@ -122,7 +150,9 @@ class MultiHeadAttention(nn.Module):
                                                           "value": (K, Hv)}, kw)
         if decode and not is_cross:
             query, key, value, mask = self._decode_step(query, key, value, mask, q_positions)
-        elif self.position_encoding == "rope" and not is_cross:
+        elif not is_cross:
+            mask = self._windowed(mask, query.shape[1])
+        if not decode and self.position_encoding == PositionEncoding.ROPE and not is_cross:
             q_positions = _default_positions(q_positions, query)
             kv_positions = q_positions if kv_positions is None else kv_positions
             query = apply_rope(query, q_positions, self.rope_base)
@@ -149,29 +179,48 @@ class MultiHeadAttention(nn.Module):
         if self.head_dim is None and d_model % N:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={N}")
         H = self.head_dim or d_model // N
-        if self.position_encoding == "rope" and H % 2:
+        if self.position_encoding == PositionEncoding.ROPE and H % 2:
             raise ValueError(f"position_encoding='rope' needs an even head_dim, got {H}")
         return N, K, H, self.v_head_dim or H
+
+    def _windowed(self, mask, length: int):
+        """The full pass's self-attention mask with `attention_window` applied."""
+        window = self.attention_window
+        if window is None or (isinstance(mask, AttentionMask) and mask.window == window):
+            return mask
+        if mask is None:
+            positions = _default_positions(None, jnp.zeros((1, length)))
+            return AttentionMask(q_positions=positions, kv_positions=positions, window=window)
+        if not isinstance(mask, AttentionMask):
+            raise ValueError("MultiHeadAttention.attention_window needs an AttentionMask (its "
+                             "positions and causality place the window), got a dense mask array")
+        if mask.window is not None:
+            raise ValueError(f"mask.window={mask.window} disagrees with "
+                             f"MultiHeadAttention.attention_window={window}")
+        return dataclasses.replace(mask, window=window)
 
     def _self_qkv(self, x, shapes: dict[str, tuple[int, int]], kw):
         """Self-attention's query, key and value [B, T, heads, dim].
 
-        In a streamed decoding step (models/streamed.py) one product against
-        the three kernels, transposed and concatenated once per decode: three
+        In a CPU decoding step, one streamed product against the three kernels
+        transposed and concatenated ("qkv_t", models/cpu_kernels.py): three
         products would share one broadcast of x, which XLA:CPU then stores.
         """
         projs = {name: _proj(shape, _Q_AXES if name == "query" else _KV_AXES, name=name,
                              streamable=False, **kw) for name, shape in shapes.items()}
-        D, lead = x.shape[-1], x.shape[:-1]
-        fused = streamed.decode_weight(self, "qkv_t", lambda: jnp.concatenate(
-            [self._child_param(name, "kernel").reshape(D, -1).T for name in shapes]))
-        if fused is None or not streamed.fits(math.prod(lead)):
+        lead = x.shape[:-1]
+        fused = None
+        if self.kernels == Kernels.CPU and cpu_kernels.fits(math.prod(lead)):
+            fused = cpu_kernels.read_decode_weight(self, "qkv_t")
+        if fused is None:
             return tuple(proj(x) for proj in projs.values())
-        y = streamed.streamed_matmul(x, fused).astype(self.dtype)
+        y = cpu_kernels.streamed_matmul(x, fused).astype(self.dtype)
         outs, start = [], 0
         for name, shape in shapes.items():
             size = math.prod(shape)
-            part = y[..., start:start + size].reshape(*lead, *shape)
+            # fused_qkv_t's rows are (dim, heads) pairs, dim-major.
+            part = y[..., start:start + size].reshape(*lead, *reversed(shape))
+            part = jnp.swapaxes(part, -1, -2)
             start += size
             if self.use_bias:
                 part = part + self._child_param(name, "bias").astype(self.dtype)
@@ -210,13 +259,14 @@ class MultiHeadAttention(nn.Module):
             )
         T = query.shape[1]
         slots = (cache_index.value + jnp.arange(T, dtype=jnp.int32))[None]
-        if self.position_encoding == "rope":
+        if self.position_encoding == PositionEncoding.ROPE:
             positions = slots if q_positions is None else q_positions
             query = apply_rope(query, positions, self.rope_base)
             key = apply_rope(key, positions, self.rope_base)
         if not initialised:
             # The initialisation call only shapes the cache; attend causally.
-            full = AttentionMask(q_positions=slots, kv_positions=slots, causal=True, dense=mask)
+            full = AttentionMask(q_positions=slots, kv_positions=slots, causal=True, dense=mask,
+                                 window=self.attention_window)
             return query, _to_kv_major(key), _to_kv_major(value), full
         S_max = cached_key.value.shape[2]
         if mask is not None and mask.shape[-1] != S_max:
@@ -231,20 +281,19 @@ class MultiHeadAttention(nn.Module):
             kv_positions=jnp.arange(S_max, dtype=jnp.int32)[None],
             causal=True,
             dense=mask,
+            window=self.attention_window,
         )
         return query, cached_key.value, cached_value.value, full
 
     def _attend(self, query, key, value, mask, is_cross, deterministic, return_weights,
                 kv_major=False):
         slopes = None
-        if self.position_encoding == "alibi" and not is_cross:
+        if self.position_encoding == PositionEncoding.ALIBI and not is_cross:
             slopes = jnp.asarray(alibi_slopes(self.num_heads))
         rng = None
         if not deterministic and self.dropout_rate > 0.0:
             rng = self.make_rng("dropout")
-        if self.score_fn not in ("dot", "additive"):
-            raise ValueError(f"score_fn={self.score_fn!r} is unknown; choose 'dot' or 'additive'")
-        if kv_major and self.score_fn == "dot":
+        if kv_major and self.score_fn == ScoreFn.DOT:
             # Decoding: few queries against a long cache; the reference path is
             # exact and its scores are only [B, N, T, S_max] with small T.
             return kv_major_attention(
@@ -253,7 +302,7 @@ class MultiHeadAttention(nn.Module):
                 return_weights=return_weights)
         if kv_major:
             key, value = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)
-        if self.score_fn == "additive":
+        if self.score_fn == ScoreFn.ADDITIVE:
             return self._additive(query, key, value, mask, slopes, rng, return_weights)
         return dot_product_attention(
             query, key, value, mask=mask, alibi_slopes=slopes, dropout_rate=self.dropout_rate,

@@ -14,10 +14,11 @@ import flax.linen as nn
 from models import axes
 from models.attention import MultiHeadAttention
 from models.config import ModelConfig
+from models.cpu_kernels import stored_gradient
 from models.dropout import Dropout
-from models.gradient_barrier import stored_gradient
 from models.mlp import FeedForward
 from models.norms import make_norm
+from models.variants import Kernels, NormPosition, PositionEncoding
 
 Array = Any
 
@@ -32,9 +33,11 @@ def make_attention(cfg: ModelConfig, name: str, self_attention: bool = True) -> 
         use_bias=cfg.use_bias,
         dropout_rate=cfg.attention_dropout_rate,
         score_fn=cfg.score_fn,
-        position_encoding=cfg.position_encoding if self_attention else "none",
+        position_encoding=cfg.position_encoding if self_attention else PositionEncoding.NONE,
         rope_base=cfg.rope_base,
         attention_impl=cfg.attention_impl,
+        attention_window=cfg.attention_window if self_attention else None,
+        kernels=cfg.kernels,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         name=name,
@@ -47,6 +50,7 @@ def make_ffn(cfg: ModelConfig) -> FeedForward:
         activation=cfg.ffn_activation,
         dropout_rate=cfg.activation_dropout_rate,
         use_bias=cfg.use_bias,
+        kernels=cfg.kernels,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         name="ffn",
@@ -63,8 +67,9 @@ class Residual(nn.Module):
         cfg = self.config
         norm = make_norm(cfg.norm, cfg.norm_epsilon, cfg.dtype, cfg.param_dtype, name="norm")
         drop = Dropout(cfg.dropout_rate)
-        if cfg.norm_position == "pre":
-            x = stored_gradient(x)  # XLA:CPU would recompute the residual gradient chain
+        if cfg.norm_position == NormPosition.PRE:
+            if cfg.kernels == Kernels.CPU:
+                x = stored_gradient(x)  # XLA:CPU would recompute the residual gradient chain
             return x + drop(sublayer(norm(x)), deterministic=deterministic)
         return norm(x + drop(sublayer(x), deterministic=deterministic))
 

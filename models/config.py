@@ -1,8 +1,9 @@
 """ModelConfig: one frozen, keyword-only description of every model family.
 
 The three families (EncoderDecoder, DecoderOnly, EncoderOnly) read the fields
-they need; variants are chosen by name from small registries
-(`position_encoding`, `norm`, `ffn_activation`, `attention_impl`, `score_fn`).
+they need. Variant fields take a member of their `models.variants` enum or its
+string and hold the member after construction (`position_encoding`, `norm`,
+`norm_position`, `ffn_activation`, `score_fn`, `attention_impl`, `kernels`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,27 @@ from typing import Any
 
 import jax.numpy as jnp
 
-POSITION_ENCODINGS = ("sinusoidal", "learned", "rope", "alibi", "none")
-NORM_POSITIONS = ("post", "pre")
-SCORE_FNS = ("dot", "additive")
+from models.variants import (
+    AttentionImpl,
+    FfnActivation,
+    Kernels,
+    Norm,
+    NormPosition,
+    PositionEncoding,
+    ScoreFn,
+    parse,
+    parse_attention_impl,
+)
+
+# The enum of each variant field (attention_impl is checked against its registry).
+VARIANT_FIELDS = {
+    "ffn_activation": FfnActivation,
+    "norm": Norm,
+    "norm_position": NormPosition,
+    "position_encoding": PositionEncoding,
+    "score_fn": ScoreFn,
+    "kernels": Kernels,
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +67,9 @@ class ModelConfig:
       use_bias: biases in the attention and FFN projections (the paper: yes).
       score_fn: dot (scaled dot product) or additive (Bahdanau).
       attention_impl: registered dot_product_attention implementation.
-      attention_window: sliding window for attention_impl="local".
+      attention_window: sliding window w of every self-attention (a query sees
+        the w latest positions when causal, |offset| <= w // 2 otherwise), in
+        training and while decoding; attention_impl="local" needs it.
       share_embeddings: encoder and decoder share one embedding table (needs
         input_vocab_size == vocab_size).
       tie_output: the pre-softmax projection reuses the decoder embedding.
@@ -58,6 +79,9 @@ class ModelConfig:
       bos_id: the id the decoder input starts with (shift right).
       dtype: compute dtype (activations); softmax and logits stay float32.
       param_dtype: parameter dtype.
+      kernels: PORTABLE (plain JAX, every platform and transform) or CPU (the
+        XLA:CPU layer of models/cpu_kernels.py: the same values, faster on CPU,
+        reverse-mode only). The CLIs choose CPU when the mesh's devices are CPUs.
     """
 
     vocab_size: int = 37000
@@ -73,16 +97,16 @@ class ModelConfig:
     dropout_rate: float = 0.1
     attention_dropout_rate: float = 0.0
     activation_dropout_rate: float = 0.0
-    ffn_activation: str = "relu"
-    norm: str = "layernorm"
+    ffn_activation: FfnActivation = FfnActivation.RELU
+    norm: Norm = Norm.LAYERNORM
     norm_epsilon: float = 1e-6
-    norm_position: str = "post"
-    position_encoding: str = "sinusoidal"
+    norm_position: NormPosition = NormPosition.POST
+    position_encoding: PositionEncoding = PositionEncoding.SINUSOIDAL
     max_length: int = 512
     rope_base: float = 10000.0
     use_bias: bool = True
-    score_fn: str = "dot"
-    attention_impl: str = "xla"
+    score_fn: ScoreFn = ScoreFn.DOT
+    attention_impl: AttentionImpl | str = AttentionImpl.XLA
     attention_window: int | None = None
     share_embeddings: bool = True
     tie_output: bool = True
@@ -92,10 +116,15 @@ class ModelConfig:
     bos_id: int = 2
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    kernels: Kernels = Kernels.PORTABLE
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+        for name, kind in VARIANT_FIELDS.items():
+            object.__setattr__(self, name, parse(kind, getattr(self, name), f"ModelConfig.{name}"))
+        object.__setattr__(self, "attention_impl", parse_attention_impl(
+            self.attention_impl, "ModelConfig.attention_impl"))
         _validate(self)
 
     @property
@@ -115,17 +144,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _choice(cfg, field, allowed):
-    value = getattr(cfg, field)
-    if value not in allowed:
-        raise ValueError(f"ModelConfig.{field}={value!r} is unknown; choose from {sorted(allowed)}")
-
-
 def _validate(cfg: ModelConfig) -> None:
-    from models.dot_product import attention_impls
-    from models.mlp import ACTIVATIONS
-    from models.norms import NORMS
-
     for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_length"):
         if getattr(cfg, field) <= 0:
             raise ValueError(f"ModelConfig.{field} must be positive, got {getattr(cfg, field)}")
@@ -148,12 +167,10 @@ def _validate(cfg: ModelConfig) -> None:
     for field in ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate"):
         if not 0.0 <= getattr(cfg, field) < 1.0:
             raise ValueError(f"ModelConfig.{field} must be in [0, 1), got {getattr(cfg, field)}")
-    _choice(cfg, "position_encoding", POSITION_ENCODINGS)
-    _choice(cfg, "norm_position", NORM_POSITIONS)
-    _choice(cfg, "score_fn", SCORE_FNS)
-    _choice(cfg, "norm", NORMS)
-    _choice(cfg, "ffn_activation", ACTIVATIONS)
-    _choice(cfg, "attention_impl", attention_impls())
+    if cfg.attention_window is not None and cfg.attention_window < 1:
+        raise ValueError(f"ModelConfig.attention_window must be >= 1, got {cfg.attention_window}")
+    if cfg.attention_impl == AttentionImpl.LOCAL and cfg.attention_window is None:
+        raise ValueError("ModelConfig.attention_impl='local' needs attention_window")
     if cfg.share_embeddings and cfg.resolved_input_vocab_size != cfg.vocab_size:
         raise ValueError(
             f"share_embeddings=True needs input_vocab_size ({cfg.input_vocab_size}) == "

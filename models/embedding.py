@@ -6,11 +6,10 @@ import math
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-from models import axes, streamed
-from models.gradient_barrier import stored_transpose
+from models import axes, cpu_kernels
+from models.variants import Kernels, parse
 
 Array = Any
 
@@ -26,6 +25,7 @@ class Embed(nn.Module):
       num_embeddings: V.
       features: D.
       scale_by_sqrt_dim: multiply looked-up vectors by sqrt(D) (the paper).
+      kernels: PORTABLE (plain JAX) or CPU (models/cpu_kernels.py) for `attend`.
       dtype: compute dtype of the returned embeddings.
       param_dtype: table dtype.
     """
@@ -35,6 +35,11 @@ class Embed(nn.Module):
     scale_by_sqrt_dim: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    kernels: Kernels = Kernels.PORTABLE
+
+    def __post_init__(self):
+        parse(Kernels, self.kernels, "Embed.kernels")
+        super().__post_init__()
 
     def setup(self):
         self.embedding = self.param(
@@ -55,41 +60,16 @@ class Embed(nn.Module):
             x = x * jnp.asarray(math.sqrt(self.features), self.dtype)
         return x
 
-    def attend(self, x: Array) -> Array:
-        """Tied output projection: x [B, T, D] -> logits [B, T, V] float32."""
-        return tied_logits(x.astype(jnp.float32), self.embedding.astype(jnp.float32))
+    def attend(self, x: Array, *, decode: bool = False) -> Array:
+        """Tied output projection: x [B, T, D] -> logits [B, T, V] float32.
 
-
-@jax.custom_vjp
-def tied_logits(x: Array, table: Array) -> Array:
-    """x [..., D] against the embedding table [V, D] -> logits [..., V].
-
-    The gradient is autodiff's, computed in an order that suits the largest
-    array of a training step, the logits gradient g [..., V]: the table's
-    gradient is formed as x^T g [D, V] and transposed (V * D elements), where
-    the direct g^T x makes XLA:CPU write a transposed copy of g (V * tokens
-    elements, 4x more at 1k tokens per batch) first, or run a slower Eigen dot.
-
-    With few rows on CPU (decoding steps) the logits are a streamed product
-    (models/streamed.py): the [V, D] table is already the layout it reads.
-    """
-    if streamed.enabled() and streamed.fits(math.prod(x.shape[:-1])):  # a decoding step
-        return streamed.streamed_matmul(x, table)
-    return jnp.einsum("...d,vd->...v", x, table)
-
-
-def _tied_logits_fwd(x, table):
-    return tied_logits(x, table), (x, table)
-
-
-def _tied_logits_bwd(residuals, g):
-    x, table = residuals
-    dx = jnp.einsum("...v,vd->...d", g, table)
-    # Both transposes are stored (gradient_barrier.stored_transpose), so the
-    # [D, V] product stays a plain dot, a YNNPACK one on CPU; a bare final .T
-    # would be folded into the dot, swapping it back to g^T x (Eigen).
-    x_t = stored_transpose(x.reshape(-1, x.shape[-1]))
-    return dx, stored_transpose(x_t @ g.reshape(-1, g.shape[-1]))
-
-
-tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
+        With kernels=CPU, a decoding step (decode=True, few rows) streams the
+        table, which is already the [V, D] layout that product reads, and
+        training uses the CPU layer's gradient order (models/cpu_kernels.py).
+        """
+        x, table = x.astype(jnp.float32), self.embedding.astype(jnp.float32)
+        if self.kernels != Kernels.CPU:
+            return jnp.einsum("...d,vd->...v", x, table)
+        if decode and cpu_kernels.fits(math.prod(x.shape[:-1])):
+            return cpu_kernels.streamed_matmul(x, table)
+        return cpu_kernels.tied_logits(x, table)

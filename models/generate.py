@@ -6,7 +6,10 @@ static arguments). Two step functions exist per family:
 
 * cached (default): the encoder runs once per source and the cache-creating
   call projects the cross-attention keys/values once; each step then feeds one
-  token and appends its keys/values to the self-attention cache;
+  token and appends its keys/values to the self-attention cache. With
+  kernels=CPU the steps also read transposed kernels that
+  `cpu_kernels.decode_weights` builds from the parameters inside the jitted
+  search, so they always match the parameters passed in;
 * `use_cache=False`, the reference the benchmark compares against: each step
   reruns the full teacher-forced decoder over the prefix padded to the maximum
   length and reads the logits at the current position.
@@ -25,10 +28,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.linen import meta
 from jax import lax
 
-from models import decoding, streamed
+from models import cpu_kernels, decoding
 from models.transformer import DecoderOnly, EncoderDecoder, default_segmentation
+from models.variants import Kernels
 
 Array = Any
 
@@ -41,26 +46,24 @@ def _check_model(model, family) -> None:
 # ------------------------------------------------------------------------------ EncoderDecoder
 
 
-def _created_collections() -> list[str]:
-    """What the cache-creating call creates: the KV cache and, on CPU, the
-    transposed kernels that the steps stream (models/streamed.py)."""
-    return ["cache", streamed.DECODE_WEIGHTS] if streamed.enabled() else ["cache"]
-
-
-def _fixed_variables(params, created) -> dict:
-    """The variables every step reads and none writes: the parameters and the
-    decode weights. They stay outside the search state, which beam search
-    reorders every step."""
-    return {"params": params, **{k: v for k, v in created.items() if k != "cache"}}
+def _fixed_variables(model, params) -> dict:
+    """The variables every step reads and none writes: the parameters and, with
+    kernels=CPU, the decoder's streamed-layout weights built from them. They
+    stay outside the search state, which beam search reorders every step."""
+    fixed = {"params": params}
+    if model.config.kernels == Kernels.CPU:
+        decoder = cpu_kernels.decode_weights(meta.unbox(params["decoder"]))
+        fixed[cpu_kernels.DECODE_WEIGHTS] = {"decoder": decoder}
+    return fixed
 
 
 def _encdec_cached(model, params, encoded, src_seg, max_len):
     """Cache-creating call (projects cross K/V once), then one token per step."""
     B = encoded.shape[0]
     dummy = jnp.zeros((B, max_len), jnp.int32)
-    _, init = model.apply({"params": params}, encoded, src_seg, dummy, decode=True,
-                          mutable=_created_collections(), method=EncoderDecoder.decode)
-    fixed = _fixed_variables(params, init)
+    fixed = _fixed_variables(model, params)
+    _, init = model.apply(fixed, encoded, src_seg, dummy, decode=True, mutable=["cache"],
+                          method=EncoderDecoder.decode)
 
     def step(ids, state):
         logits, new = model.apply(
@@ -207,9 +210,10 @@ def _deconly_cached(model, params, aligned, slot_valid, positions):
     """Cache-creating call, one prefill pass over [BOS] + prompt[:-1], then steps."""
     B, S_max = slot_valid.shape
     P = aligned.shape[1] - 1
-    _, init = model.apply({"params": params}, jnp.zeros((B, S_max), jnp.int32), decode=True,
-                          mutable=_created_collections())
-    cache, fixed = init["cache"], _fixed_variables(params, init)
+    fixed = _fixed_variables(model, params)
+    _, init = model.apply(fixed, jnp.zeros((B, S_max), jnp.int32), decode=True,
+                          mutable=["cache"])
+    cache = init["cache"]
     if P > 0:
         _, new = model.apply({**fixed, "cache": cache}, aligned[:, :P], slot_valid,
                              positions[:, :P], decode=True, mutable=["cache"])

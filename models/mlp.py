@@ -10,27 +10,28 @@ import jax.numpy as jnp
 from models import axes
 from models.dropout import Dropout
 from models.projection import Projection
+from models.variants import FfnActivation, Kernels, parse
 
 Array = Any
 
 # Gated variants (Shazeer 2020) multiply the activation by a second projection.
 ACTIVATIONS = {
-    "relu": (nn.relu, False),
-    "gelu": (nn.gelu, False),
-    "swiglu": (nn.silu, True),
-    "geglu": (nn.gelu, True),
+    FfnActivation.RELU: (nn.relu, False),
+    FfnActivation.GELU: (nn.gelu, False),
+    FfnActivation.SWIGLU: (nn.silu, True),
+    FfnActivation.GEGLU: (nn.gelu, True),
 }
 
 
 def dense(features, in_axis: str, out_axis: str, *, use_bias: bool, dtype, param_dtype, name,
-          streamable: bool = True):
+          streamable: bool = True, kernels: Kernels = Kernels.PORTABLE):
     """A Dense layer whose kernel and bias carry logical axis names.
 
     nn.Dense's parameters (names, shapes, xavier-uniform kernel, zero bias),
-    through `Projection`, which also streams its kernel in decoding steps.
+    through `Projection` (which, with kernels=CPU, streams decoding steps).
     """
     return Projection(features, (in_axis, out_axis), use_bias=use_bias, streamable=streamable,
-                      dtype=dtype, param_dtype=param_dtype, name=name)
+                      kernels=kernels, dtype=dtype, param_dtype=param_dtype, name=name)
 
 
 class FeedForward(nn.Module):
@@ -38,29 +39,33 @@ class FeedForward(nn.Module):
 
     Attributes:
       d_ff: hidden width F.
-      activation: one of ACTIVATIONS.
+      activation: an `FfnActivation` (or its string).
       dropout_rate: dropout on the hidden activations.
       use_bias: biases on both projections.
+      kernels: PORTABLE or CPU (models/cpu_kernels.py) for the projections.
     """
 
     d_ff: int
-    activation: str = "relu"
+    activation: FfnActivation = FfnActivation.RELU
     dropout_rate: float = 0.0
     use_bias: bool = True
+    kernels: Kernels = Kernels.PORTABLE
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        parse(FfnActivation, self.activation, "FeedForward.activation")
+        parse(Kernels, self.kernels, "FeedForward.kernels")
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, x: Array, *, deterministic: bool = True) -> Array:
         """x [B, T, D] -> [B, T, D]."""
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"ffn_activation={self.activation!r} is unknown; choose from {sorted(ACTIVATIONS)}"
-            )
-        act, gated = ACTIVATIONS[self.activation]
-        kw = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        act, gated = ACTIVATIONS[FfnActivation(self.activation)]
+        kw = dict(use_bias=self.use_bias, kernels=self.kernels, dtype=self.dtype,
+                  param_dtype=self.param_dtype)
         # Two streamed products of one x would share its broadcast, which XLA:CPU
-        # stores (models/streamed.py): gated variants keep the dot for wi.
+        # stores (models/cpu_kernels.py): gated variants keep the dot for wi.
         h = act(dense(self.d_ff, axes.EMBED, axes.MLP, name="wi", streamable=not gated, **kw)(x))
         if gated:
             h = h * dense(self.d_ff, axes.EMBED, axes.MLP, name="wi_gate", streamable=False,

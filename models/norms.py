@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from models import axes
+from models.variants import Norm, parse
 
 Array = Any
 
@@ -54,11 +55,11 @@ def _vector(module: nn.Module, name: str, init, size: int) -> Array:
     return param.astype(jnp.float32)
 
 
-NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+NORMS = {Norm.LAYERNORM: LayerNorm, Norm.RMSNORM: RMSNorm}
 
 
-def make_norm(kind: str, epsilon: float, dtype, param_dtype, name: str | None = None) -> nn.Module:
-    """Builds the norm registered under `kind`."""
-    if kind not in NORMS:
-        raise ValueError(f"norm={kind!r} is unknown; choose from {sorted(NORMS)}")
-    return NORMS[kind](epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name)
+def make_norm(kind: Norm | str, epsilon: float, dtype, param_dtype,
+              name: str | None = None) -> nn.Module:
+    """Builds the norm `kind` (a `Norm` or its string; ValueError otherwise)."""
+    norm = NORMS[parse(Norm, kind, "norm")]
+    return norm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name)

@@ -6,11 +6,10 @@ import math
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-from models import streamed
-from models.gradient_barrier import stored_transpose
+from models import cpu_kernels
+from models.variants import Kernels, parse
 
 Array = Any
 
@@ -27,9 +26,13 @@ class Projection(nn.Module):
       kernel_axes: logical names of the kernel dims.
       in_dims: how many trailing input dims are contracted.
       use_bias: add a bias of shape `features`.
-      streamable: in decoding steps on CPU, multiply by a transposed copy of
-        the kernel (models/streamed.py); False where the caller fuses this
-        projection with others that share its input.
+      streamable: with kernels=CPU, multiply by the caller's transposed kernel
+        ("decode_weights" collection, models/cpu_kernels.py) when it is passed
+        and the rows are few; False where the caller fuses this projection with
+        others that share its input.
+      kernels: PORTABLE (a plain dot) or CPU (models/cpu_kernels.py).
+      dtype: compute dtype.
+      param_dtype: kernel and bias dtype.
     """
 
     features: int | tuple[int, ...]
@@ -37,8 +40,13 @@ class Projection(nn.Module):
     in_dims: int = 1
     use_bias: bool = False
     streamable: bool = True
+    kernels: Kernels = Kernels.PORTABLE
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        parse(Kernels, self.kernels, "Projection.kernels")
+        super().__post_init__()
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -51,16 +59,15 @@ class Projection(nn.Module):
 
         kernel = self.param("kernel", nn.with_logical_partitioning(init, self.kernel_axes),
                             (*in_shape, *features), self.param_dtype)
-        kernel_t = streamed.decode_weight(
-            self, "kernel_t", lambda: kernel.reshape(fan_in, fan_out).T
-        ) if self.streamable else None
         lead = x.shape[:x.ndim - self.in_dims]
-        if kernel_t is not None and streamed.fits(math.prod(lead)):
-            y = streamed.streamed_matmul(x.reshape(*lead, fan_in), kernel_t)
-            y = y.astype(self.dtype).reshape(*lead, *features)
+        kernel_t = self._streamed_kernel(math.prod(lead))
+        if kernel_t is not None:
+            y = cpu_kernels.streamed_projection(x, kernel_t, self.in_dims).astype(self.dtype)
         else:
-            y = dense_matmul(x.astype(self.dtype).reshape(-1, fan_in),
-                             kernel.astype(self.dtype).reshape(fan_in, fan_out))
+            # Multiplied as a 2-D matrix: one dot whatever the number of axes.
+            matmul = cpu_kernels.dense_matmul if self.kernels == Kernels.CPU else jnp.matmul
+            y = matmul(x.astype(self.dtype).reshape(-1, fan_in),
+                       kernel.astype(self.dtype).reshape(fan_in, fan_out))
             y = y.reshape(*lead, *features)
         if self.use_bias:
             bias_axes = self.kernel_axes[len(self.kernel_axes) - len(features):]
@@ -70,27 +77,8 @@ class Projection(nn.Module):
             y = y + bias.astype(self.dtype)
         return y
 
-
-@jax.custom_vjp
-def dense_matmul(x: Array, w: Array) -> Array:
-    """x [M, K] @ w [K, N]; the gradient is autodiff's, w's formed as a plain dot.
-
-    The kernel gradient x^T g is computed from a stored x^T [K, M]
-    (`gradient_barrier.stored_transpose`), so on CPU it runs as a YNNPACK dot
-    instead of Eigen's transposed-operand dot: 1.1-1.5x faster at these shapes,
-    the copy included. With the tied table's gradient done alike, the issue-9 training step
-    ran 1.19-1.21x faster, losses equal to 1e-5 (benchmarks/README.md, session 5).
-    """
-    return x @ w
-
-
-def _dense_matmul_fwd(x, w):
-    return x @ w, (x, w)
-
-
-def _dense_matmul_bwd(residuals, g):
-    x, w = residuals
-    return g @ w.T, stored_transpose(x) @ g
-
-
-dense_matmul.defvjp(_dense_matmul_fwd, _dense_matmul_bwd)
+    def _streamed_kernel(self, rows: int) -> Array | None:
+        """The caller's kernel.T for a streamed product of `rows` rows, or None."""
+        if self.kernels != Kernels.CPU or not self.streamable or not cpu_kernels.fits(rows):
+            return None
+        return cpu_kernels.read_decode_weight(self, "kernel_t")

@@ -22,6 +22,7 @@ from models.masks import AttentionMask
 from models.mlp import dense
 from models.norms import make_norm
 from models.positional import LearnedPositionalEmbedding, sinusoidal_encoding
+from models.variants import NormPosition, PositionEncoding
 
 Array = Any
 
@@ -53,12 +54,12 @@ class Embedder(nn.Module):
     @nn.compact
     def __call__(self, ids: Array, positions: Array, *, deterministic: bool) -> Array:
         cfg = self.config
-        if cfg.position_encoding == "learned" and ids.shape[1] > cfg.max_length:
+        if cfg.position_encoding == PositionEncoding.LEARNED and ids.shape[1] > cfg.max_length:
             raise ValueError(f"sequence length {ids.shape[1]} > max_length={cfg.max_length}")
         x = self.embed(ids)
-        if cfg.position_encoding == "sinusoidal":
+        if cfg.position_encoding == PositionEncoding.SINUSOIDAL:
             x = x + sinusoidal_encoding(positions, cfg.d_model).astype(cfg.dtype)
-        elif cfg.position_encoding == "learned":
+        elif cfg.position_encoding == PositionEncoding.LEARNED:
             table = LearnedPositionalEmbedding(cfg.max_length, cfg.d_model, cfg.param_dtype,
                                                name="pos_embedding")
             x = x + table(positions).astype(cfg.dtype)
@@ -67,13 +68,14 @@ class Embedder(nn.Module):
 
 
 def _final_norm(cfg: ModelConfig, x: Array) -> Array:
-    if cfg.norm_position != "pre":
+    if cfg.norm_position != NormPosition.PRE:
         return x
     return make_norm(cfg.norm, cfg.norm_epsilon, cfg.dtype, cfg.param_dtype, name="final_norm")(x)
 
 
 def _make_embed(cfg: ModelConfig, vocab: int, name: str) -> Embed:
-    return Embed(vocab, cfg.d_model, cfg.scale_embeddings, cfg.dtype, cfg.param_dtype, name=name)
+    return Embed(vocab, cfg.d_model, cfg.scale_embeddings, cfg.dtype, cfg.param_dtype,
+                 kernels=cfg.kernels, name=name)
 
 
 class Encoder(nn.Module):
@@ -127,8 +129,8 @@ class Decoder(nn.Module):
             )
         x = _final_norm(cfg, x)
         if cfg.tie_output:
-            return self.embed.attend(x)
-        head = dense(cfg.vocab_size, axes.EMBED, axes.VOCAB, use_bias=False,
+            return self.embed.attend(x, decode=decode)
+        head = dense(cfg.vocab_size, axes.EMBED, axes.VOCAB, use_bias=False, kernels=cfg.kernels,
                      dtype=jnp.float32, param_dtype=cfg.param_dtype, name="logits")
         return head(x.astype(jnp.float32))
 
@@ -257,7 +259,8 @@ class EncoderOnly(nn.Module):
         x = Encoder(cfg, embed, name="encoder")(inputs, seg, pos, deterministic=deterministic)
         token_logits = embed.attend(x) if cfg.tie_output else dense(
             cfg.resolved_input_vocab_size, axes.EMBED, axes.VOCAB, use_bias=False,
-            dtype=jnp.float32, param_dtype=cfg.param_dtype, name="token_head")(x)
+            kernels=cfg.kernels, dtype=jnp.float32, param_dtype=cfg.param_dtype,
+            name="token_head")(x)
         out = {"token_logits": token_logits}
         if cfg.num_classes:
             out["class_logits"] = self._classify(x, seg, deterministic)
@@ -268,7 +271,8 @@ class EncoderOnly(nn.Module):
         cfg = self.config
         weights = (seg == 1).astype(jnp.float32)[..., None]
         pooled = (x.astype(jnp.float32) * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
-        kw = dict(use_bias=True, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        kw = dict(use_bias=True, kernels=cfg.kernels, dtype=cfg.dtype,
+                  param_dtype=cfg.param_dtype)
         pooled = jnp.tanh(dense(cfg.d_model, axes.EMBED, axes.EMBED, name="pooler", **kw)(pooled))
         pooled = Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
         head = dense(cfg.num_classes, axes.EMBED, axes.CLASSES, name="classifier", **kw)

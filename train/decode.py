@@ -18,6 +18,9 @@ import logging
 import sys
 from pathlib import Path
 
+import jax
+
+from train.parallel import kernels_for
 from train.predict import load_run, score
 
 
@@ -54,7 +57,8 @@ def run(args) -> list[str]:
     references = _read_lines(args.reference) if args.reference else None
     if references is not None and len(references) != len(lines):
         raise ValueError(f"--reference has {len(references)} lines, --input has {len(lines)}")
-    loaded = load_run(args.workdir, args.step)
+    # The XLA:CPU layer where jax computes on CPUs (the same values, faster there).
+    loaded = load_run(args.workdir, args.step, kernels=kernels_for(jax.devices()))
     if loaded.family == "encoder_decoder":
         outputs = loaded.translate(lines, beam_size=args.beam_size, alpha=args.alpha,
                                    max_extra=args.max_extra, batch_size=args.batch_size)

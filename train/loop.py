@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 import signal
@@ -53,9 +54,12 @@ class Run:
 
 
 def model_config_dict(model_config) -> dict:
+    """The model config as saved: `kernels` is left out, as it says how this run's
+    devices compute, not what the model is (a restore picks its own)."""
     out = dataclasses.asdict(model_config)
     out["dtype"], out["param_dtype"] = str(out["dtype"]), str(out["param_dtype"])
-    return out
+    out.pop("kernels")
+    return {k: str(v) if isinstance(v, enum.Enum) else v for k, v in out.items()}
 
 
 def saved_config(run: Run) -> dict:
@@ -89,10 +93,11 @@ def setup(config, workdir) -> Run:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     inp = build_input(config, workdir)
-    model_config = model_config_from(config.model, inp.tokenizer.vocab_size)
+    plan = parallel.Plan.from_config(config.parallel)
+    model_config = model_config_from(config.model, inp.tokenizer.vocab_size,
+                                     kernels=plan.kernels)
     model = build_model(config.family, model_config)
     tx, schedule = make_optimizer(config.optim, model_config.d_model, config.train.num_steps)
-    plan = parallel.Plan.from_config(config.parallel)
     state, shardings = init_state(model, config.family, tx, config.seed, plan)
     ckpt = Checkpointer(workdir, keep=config.train.keep_checkpoints,
                         best_metric=config.train.get("best_metric") or None,

@@ -39,6 +39,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import axes
+from models.variants import Kernels
 from train.state import TrainState
 
 log = logging.getLogger("train")
@@ -83,6 +84,13 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
         raise ValueError(f"parallel.mesh_shape={shape} multiplies to {math.prod(shape)}, "
                          f"but there are {num_devices} devices")
     return shape
+
+
+def kernels_for(devices) -> Kernels:
+    """Kernels.CPU when every device is a CPU, else Kernels.PORTABLE."""
+    devices = list(devices)
+    on_cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
+    return Kernels.CPU if on_cpu else Kernels.PORTABLE
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
@@ -264,6 +272,11 @@ class Plan:
             raise ValueError(f"parallel.step={step!r} is data parallel only; got mesh "
                              f"{dict(plan.mesh.shape)} (use mesh_shape=(-1, 1, 1) or step='jit')")
         return plan
+
+    @property
+    def kernels(self) -> Kernels:
+        """The models' kernels for this mesh: the XLA:CPU layer when its devices are CPUs."""
+        return kernels_for(self.mesh.devices.flat)
 
     @property
     def replicated(self) -> NamedSharding:

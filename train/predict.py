@@ -20,7 +20,7 @@ import sacrebleu
 from flax.core import meta
 
 from data import EOS_ID, PAD_ID, load_tokenizer, normalize_text
-from models import ModelConfig, generate
+from models import Kernels, ModelConfig, generate
 from train.checkpoint import Checkpointer
 from train.tasks import build_model, dummy_batch
 
@@ -223,8 +223,16 @@ class LoadedRun:
 
 
 
-def load_run(workdir, step: int | None = None) -> LoadedRun:
+def load_run(workdir, step: int | None = None, *,
+             kernels: Kernels | str = Kernels.PORTABLE) -> LoadedRun:
     """Restores config, parameters (only) and tokenizer of a training run.
+
+    Args:
+      workdir: the run's directory.
+      step: the checkpoint step (default: the latest).
+      kernels: how the restored model computes: PORTABLE (plain JAX, any
+        platform) or CPU (the XLA:CPU layer; `python -m train.decode` picks it
+        on CPU). The values are the same.
 
     Raises:
       FileNotFoundError: `workdir` has no checkpoint, or no step `step`.
@@ -240,7 +248,7 @@ def load_run(workdir, step: int | None = None) -> LoadedRun:
     if step not in steps:
         raise FileNotFoundError(f"{workdir} has no checkpoint at step {step}; it has {steps}")
     saved = ckpt.restore_config(step)
-    model_config = ModelConfig(**saved["model"])
+    model_config = ModelConfig(**saved["model"], kernels=kernels)
     model = build_model(saved["family"], model_config)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), **dummy_batch(saved["family"])))
     params = ckpt.restore_params(step, meta.unbox(abstract["params"]))
