@@ -218,9 +218,7 @@ class MultiHeadAttention(nn.Module):
         outs, start = [], 0
         for name, shape in shapes.items():
             size = math.prod(shape)
-            # fused_qkv_t's rows are (dim, heads) pairs, dim-major.
-            part = y[..., start:start + size].reshape(*lead, *reversed(shape))
-            part = jnp.swapaxes(part, -1, -2)
+            part = y[..., start:start + size].reshape(*lead, *shape)
             start += size
             if self.use_bias:
                 part = part + self._child_param(name, "bias").astype(self.dtype)

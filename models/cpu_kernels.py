@@ -213,11 +213,11 @@ def streamed_projection(x: Array, kernel_t: Array, in_dims: int) -> Array:
 def fused_qkv_t(query: Array, key: Array, value: Array) -> Array:
     """Self-attention's three kernels [D, heads, dim] as one streamed [sum(heads*dim), D].
 
-    Rows are each kernel's (dim, heads) pairs, dim-major (kernel.T flattened);
-    one product against all three avoids three products that would share one
-    broadcast of x, which XLA:CPU then stores.
+    Rows are each kernel's (heads, dim) pairs in order, so each output slice
+    reshapes to [..., heads, dim] in place; one product against all three avoids
+    three products that would share one broadcast of x, which XLA:CPU then stores.
     """
-    return jnp.concatenate([k.T.reshape(-1, k.shape[0]) for k in (query, key, value)])
+    return jnp.concatenate([k.reshape(k.shape[0], -1).T for k in (query, key, value)])
 
 
 def decode_weights(params) -> dict:
