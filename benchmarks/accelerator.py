@@ -135,7 +135,7 @@ def _unboxed_params(model, *example):
 
 
 def _model(sizes: Sizes, **overrides):
-    import models
+    from transformer_zoo import models
 
     cfg = models.get_preset(sizes.preset, vocab_size=sizes.vocab, **overrides)
     return models.EncoderDecoder(cfg)
@@ -175,9 +175,9 @@ def _non_embedding(cfg, params) -> int:
 
 
 def bench_train(sizes: Sizes, steps: int) -> dict:
-    from configs import common
-    from train.state import create_train_state, make_optimizer
-    from train.step import make_train_step
+    from transformer_zoo.configs import common
+    from transformer_zoo.train.state import create_train_state, make_optimizer
+    from transformer_zoo.train.step import make_train_step
 
     model = _model(sizes, dtype="bfloat16")
     cfg = model.config
@@ -227,7 +227,7 @@ def print_train(row: dict, sizes: Sizes, peak: float | None) -> None:
 
 def _attention_grad(impl: str):
     """Jitted (q, k, v, ct) -> ((dq, dk, dv), out) of sum(attention(q, k, v) * ct)."""
-    import models
+    from transformer_zoo import models
 
     def loss(q, k, v, ct):
         T, S = q.shape[1], k.shape[1]
@@ -304,7 +304,7 @@ def print_attention(rows: list[dict], sizes: Sizes) -> None:
 
 
 def _decoder(model, search: str, use_cache: bool, max_extra: int):
-    from models import generate as gen
+    from transformer_zoo.models import generate as gen
 
     kw = dict(max_extra=max_extra, eos_id=-1, use_cache=use_cache)
     if search == "greedy":
@@ -356,7 +356,7 @@ def print_decode(result: dict, sizes: Sizes) -> None:
 
 def _dropout_fns(rate: float) -> dict:
     """name -> (x, key) -> y: the counter-hash masks and the threefry reference."""
-    import models
+    from transformer_zoo import models
 
     def threefry(x, key):
         keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)

@@ -36,8 +36,8 @@ def _attention_fn(impl: str, n: int):
     """The attention callable of `impl` for inputs of length n."""
     import jax
 
-    from models import blockwise, linear_attention, local_attention
-    from models.masks import make_attention_mask
+    from transformer_zoo.models import blockwise, linear_attention, local_attention
+    from transformer_zoo.models.masks import make_attention_mask
 
     if impl == "reference":
         return jax.nn.dot_product_attention

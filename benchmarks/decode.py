@@ -12,7 +12,7 @@ all cost the same, so for the decoder-only model it is timed over its first
 16 steps of a run sized for N tokens. ms/token is wall time per decoding step
 (one token for each of the 8 rows), best of a few runs after compilation.
 The models run with the XLA:CPU layer (kernels=cpu: streamed weight products in
-the cached steps), as `python -m train.decode` does on CPU; `--kernels
+the cached steps), as `python -m transformer_zoo.train.decode` does on CPU; `--kernels
 portable` times the portable default instead.
 """
 
@@ -24,9 +24,9 @@ import time
 import jax
 import numpy as np
 
-import models
-from models import decoding
-from models import generate as gen
+from transformer_zoo import models
+from transformer_zoo.models import decoding
+from transformer_zoo.models import generate as gen
 
 BATCH, SOURCE_LEN, NEW_TOKENS, PROMPT_LEN, NO_CACHE_STEPS = 8, 32, 64, 16, 16
 SIZES = dict(d_model=256, num_heads=4, d_ff=1024, vocab_size=8192, dropout_rate=0.0)
@@ -136,7 +136,7 @@ def main():
     parser.add_argument("--encoder-decoder-only", action="store_true",
                         help="skip the decoder-only length sweep (~2 min instead of ~5)")
     parser.add_argument("--kernels", choices=[k.value for k in models.Kernels], default="cpu",
-                        help="the models' kernels (default cpu, as python -m train.decode)")
+                        help="the models' kernels (default cpu, as python -m transformer_zoo.train.decode)")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} "
           f"device(s), kernels={args.kernels}")

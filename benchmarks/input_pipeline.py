@@ -21,11 +21,11 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
-from train.host_memory import restart_with_huge_pages  # noqa: E402
+from transformer_zoo.train.host_memory import restart_with_huge_pages  # noqa: E402
 
-restart_with_huge_pages()  # as python -m train does (train/host_memory.py)
+restart_with_huge_pages()  # as python -m transformer_zoo.train does (train/host_memory.py)
 
-import data  # noqa: E402
+from transformer_zoo import data  # noqa: E402
 
 DEFAULT_DIR = os.path.join(_ROOT, "..", "shared", "data", "multi30k")
 
@@ -63,11 +63,11 @@ def training_tokens_per_second(examples, tokenizer, *, num_steps: int = 10) -> f
     """Non-padding tokens per second a Multi30k-recipe train step consumes (after compile)."""
     import jax
 
-    from configs import multi30k
-    from train.loop import init_params
-    from train.state import create_train_state, make_optimizer
-    from train.step import make_train_step
-    from train.tasks import build_model, model_config_from
+    from transformer_zoo.configs import multi30k
+    from transformer_zoo.train.loop import init_params
+    from transformer_zoo.train.state import create_train_state, make_optimizer
+    from transformer_zoo.train.step import make_train_step
+    from transformer_zoo.train.tasks import build_model, model_config_from
 
     config = multi30k.get_config()
     model = build_model(config.family, model_config_from(config.model, tokenizer.vocab_size))

@@ -38,11 +38,11 @@ def _setup(name: str, mesh_shape, layers: int | None):
     """(model, abstract state, state shardings, plan) without allocating anything."""
     import jax
 
-    from configs import common
-    from models import get_preset
-    from train import parallel
-    from train.state import create_train_state, make_optimizer
-    from train.tasks import build_model, dummy_batch
+    from transformer_zoo.configs import common
+    from transformer_zoo.models import get_preset
+    from transformer_zoo.train import parallel
+    from transformer_zoo.train.state import create_train_state, make_optimizer
+    from transformer_zoo.train.tasks import build_model, dummy_batch
 
     overrides = {} if layers is None else dict(num_encoder_layers=layers,
                                                num_decoder_layers=layers)
@@ -86,9 +86,9 @@ def count_collectives(name: str, mesh_shape, layers: int) -> tuple[dict[str, int
     import jax
     import numpy as np
 
-    from train import parallel
-    from train.step import make_train_step
-    from train.tasks import dummy_batch
+    from transformer_zoo.train import parallel
+    from transformer_zoo.train.step import make_train_step
+    from transformer_zoo.train.tasks import dummy_batch
 
     model, abstract, shardings, plan, schedule = _setup(name, mesh_shape, layers)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -13,10 +13,10 @@ shared thread pools); the peak is a 2048^3 float32 matmul (numpy and jax, the
 higher) measured in the same run. The two alternate for --rounds rounds (ours,
 torch, ours, torch, ...), so that a slow spell of a shared machine falls on
 both; each row pools its rounds' step times, and ours/torch is also printed
-per round. Both workers run with the malloc environment of `python -m train`
+per round. Both workers run with the malloc environment of `python -m transformer_zoo.train`
 (train/host_memory.py: glibc's huge-page tunable, so XLA's per-step buffers
 are not faulted in 4 KiB at a time); --system-malloc runs them without it.
-Ours runs with the models' XLA:CPU layer (kernels=cpu, as `python -m train`
+Ours runs with the models' XLA:CPU layer (kernels=cpu, as `python -m transformer_zoo.train`
 does on CPU); `--kernels cpu,portable` also times the portable default in each
 round, to show what the layer buys.
 
@@ -83,10 +83,10 @@ def model_flops(non_embedding_params: int) -> float:
 def run_jax(steps: int, kernels: str = "cpu") -> dict:
     import jax
 
-    import models
-    from configs import common
-    from train.state import create_train_state, make_optimizer
-    from train.step import make_train_step
+    from transformer_zoo import models
+    from transformer_zoo.configs import common
+    from transformer_zoo.train.state import create_train_state, make_optimizer
+    from transformer_zoo.train.step import make_train_step
 
     cfg = models.ModelConfig(vocab_size=VOCAB, d_model=D_MODEL, num_heads=HEADS, d_ff=D_FF,
                              num_encoder_layers=LAYERS, num_decoder_layers=LAYERS,
@@ -226,7 +226,7 @@ def main() -> None:
                         help="alternating ours/torch subprocess rounds (pooled)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--system-malloc", action="store_true",
-                        help="run the workers without python -m train's malloc environment")
+                        help="run the workers without python -m transformer_zoo.train's malloc environment")
     parser.add_argument("--kernels", default="cpu",
                         help="comma-separated models.Kernels values for ours: cpu (the CLIs' "
                              "choice on CPU), portable, or both")
@@ -262,8 +262,8 @@ def main() -> None:
 
 
 def _malloc_env(system_malloc: bool) -> dict[str, str]:
-    """The workers' malloc environment (python -m train's unless told otherwise)."""
-    from train.host_memory import huge_page_env
+    """The workers' malloc environment (python -m transformer_zoo.train's unless told otherwise)."""
+    from transformer_zoo.train.host_memory import huge_page_env
 
     env = {} if system_malloc else huge_page_env()
     described = " ".join(f"{k}={v}" for k, v in env.items()) or "unchanged"

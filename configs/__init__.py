@@ -1,1 +1,1 @@
-"""ml_collections recipes: `python -m train --config configs/<recipe>.py --workdir DIR`."""
+"""ml_collections recipes: `python -m transformer_zoo.train --config configs/<recipe>.py --workdir DIR`."""

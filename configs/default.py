@@ -3,12 +3,12 @@
 Needs no download. Trains on 2 CPU cores in a few minutes to >= 99% exact
 match on held-out numbers (numbers never seen in training), then decodes.
 
-    python -m train --config configs/default.py --workdir /tmp/zoo_default
+    python -m transformer_zoo.train --config configs/default.py --workdir /tmp/zoo_default
 """
 
 import ml_collections
 
-from configs import common
+from transformer_zoo.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:

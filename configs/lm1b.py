@@ -1,12 +1,12 @@
 """A decoder-only language model on tfds lm1b (One Billion Word).
 
     tfds build lm1b --file_format=array_record    # once, with '.[prepare]'
-    python -m train --config configs/lm1b.py --workdir runs/lm1b
+    python -m transformer_zoo.train --config configs/lm1b.py --workdir runs/lm1b
 """
 
 import ml_collections
 
-from configs import common
+from transformer_zoo.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -1,6 +1,6 @@
 """Multi30k English -> German with the paper's recipe, sized for 29k pairs and 2 CPU cores.
 
-    python -m train --config configs/multi30k.py --workdir runs/multi30k
+    python -m transformer_zoo.train --config configs/multi30k.py --workdir runs/multi30k
 
 One command trains (~37 min on the 2-core Zen 5 dev machine), checkpoints every 100 steps,
 decodes val (beam 4, alpha 0.6) with the final and with the average of the
@@ -13,8 +13,8 @@ Data: ../shared/data/multi30k (train/val/test2016 .en/.de); override with
 
 import ml_collections
 
-from configs import common
-from configs.paths import SHARED_DATA
+from transformer_zoo.configs import common
+from transformer_zoo.configs.paths import SHARED_DATA
 
 MULTI30K = SHARED_DATA / "multi30k"
 

@@ -1,11 +1,11 @@
 """Encoder-only sequence classification: is a letter sequence sorted? (embedded, no download)
 
-    python -m train --config configs/sorted.py --workdir runs/sorted
+    python -m transformer_zoo.train --config configs/sorted.py --workdir runs/sorted
 """
 
 import ml_collections
 
-from configs import common
+from transformer_zoo.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:

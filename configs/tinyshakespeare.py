@@ -1,6 +1,6 @@
 """A character-level decoder-only LM on tiny shakespeare (the usual CPU-sized recipe).
 
-    python -m train --config configs/tinyshakespeare.py --workdir runs/shakespeare
+    python -m transformer_zoo.train --config configs/tinyshakespeare.py --workdir runs/shakespeare
 
 4 layers, 4 heads, width 128, context 64, batch 12, 2000 steps, dropout 0,
 AdamW (beta2 0.99), lr 1e-3 with 100 warmup steps and cosine decay to 1e-4.
@@ -10,8 +10,8 @@ sample at the end.
 
 import ml_collections
 
-from configs import common
-from configs.paths import SHARED_DATA
+from transformer_zoo.configs import common
+from transformer_zoo.configs.paths import SHARED_DATA
 
 
 def get_config() -> ml_collections.ConfigDict:

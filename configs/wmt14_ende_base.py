@@ -2,14 +2,14 @@
 
     pip install -e '.[prepare]'   # TensorFlow, only to build the dataset once
     tfds build wmt14_translate/de-en --file_format=array_record
-    python -m train --config configs/wmt14_ende_base.py --workdir runs/wmt14_base
+    python -m transformer_zoo.train --config configs/wmt14_ende_base.py --workdir runs/wmt14_base
 
 Training reads the prepared ArrayRecord files without TensorFlow.
 """
 
 import ml_collections
 
-from configs import common
+from transformer_zoo.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -1,13 +1,13 @@
 """The paper's big model on WMT14 English -> German (Table 3, "big").
 
-    python -m train --config configs/wmt14_ende_big.py --workdir runs/wmt14_big
+    python -m transformer_zoo.train --config configs/wmt14_ende_big.py --workdir runs/wmt14_big
 
 Same data preparation as configs/wmt14_ende_base.py.
 """
 
 import ml_collections
 
-from configs import wmt14_ende_base
+from transformer_zoo.configs import wmt14_ende_base
 
 
 def get_config() -> ml_collections.ConfigDict:

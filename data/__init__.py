@@ -2,7 +2,7 @@
 
 Typical use (the embedded default task)::
 
-    import data
+    from transformer_zoo import data
 
     tokenizer = data.number_tokenizer()
     train = data.make_batches(
@@ -15,9 +15,9 @@ Typical use (the embedded default task)::
     it2 = iter(train); it2.set_state(state)   # next(it2) == next(it)
 """
 
-from data.packing import pack, pad, unpack
-from data.pipeline import Batching, lm_windows, make_batches, tokenize
-from data.sources import (
+from transformer_zoo.data.packing import pack, pad, unpack
+from transformer_zoo.data.pipeline import Batching, lm_windows, make_batches, tokenize
+from transformer_zoo.data.sources import (
     parallel_files,
     sample_texts,
     text_corpus,
@@ -26,7 +26,7 @@ from data.sources import (
     tfds_translation,
     tsv_file,
 )
-from data.synthetic import (
+from transformer_zoo.data.synthetic import (
     MAX_NUMBER,
     number_split,
     number_to_words,
@@ -36,7 +36,7 @@ from data.synthetic import (
     symbol_task,
     symbol_tokenizer,
 )
-from data.tokenizers import (
+from transformer_zoo.data.tokenizers import (
     BOS_ID,
     EOS_ID,
     NUM_SPECIAL,

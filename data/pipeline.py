@@ -35,8 +35,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from data.packing import SEGMENTED, Batch, RowPacker, example_length, pad
-from data.tokenizers import EOS_ID, Tokenizer
+from transformer_zoo.data.packing import SEGMENTED, Batch, RowPacker, example_length, pad
+from transformer_zoo.data.tokenizers import EOS_ID, Tokenizer
 
 MODES = ("pack", "bucket")
 

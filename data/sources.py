@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 
 import grain
 
-from data.tokenizers import normalize_text
+from transformer_zoo.data.tokenizers import normalize_text
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import string
 import grain
 import numpy as np
 
-from data.tokenizers import WordCharTokenizer
+from transformer_zoo.data.tokenizers import WordCharTokenizer
 
 MAX_NUMBER = 999_999
 _ONES = (

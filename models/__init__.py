@@ -11,7 +11,7 @@ layer (models/cpu_kernels.py) is opt-in with `kernels=Kernels.CPU`.
 """
 
 # Importing the implementation modules registers them with dot_product_attention.
-from models import (  # noqa: F401
+from transformer_zoo.models import (  # noqa: F401
     axes,
     blockwise,
     cpu_kernels,
@@ -20,18 +20,18 @@ from models import (  # noqa: F401
     local_attention,
     variants,
 )
-from models.attention import MultiHeadAttention
-from models.blocks import DecoderBlock, EncoderBlock
-from models.config import PRESETS, ModelConfig, get_preset
-from models.dot_product import (
+from transformer_zoo.models.attention import MultiHeadAttention
+from transformer_zoo.models.blocks import DecoderBlock, EncoderBlock
+from transformer_zoo.models.config import PRESETS, ModelConfig, get_preset
+from transformer_zoo.models.dot_product import (
     alibi_bias,
     attention_impls,
     dot_product_attention,
     register_attention_impl,
 )
-from models.dropout import Dropout, dropout, keep_mask, keep_probability
-from models.embedding import Embed
-from models.masks import (
+from transformer_zoo.models.dropout import Dropout, dropout, keep_mask, keep_probability
+from transformer_zoo.models.embedding import Embed
+from transformer_zoo.models.masks import (
     AttentionMask,
     causal_mask,
     combine_masks,
@@ -39,17 +39,17 @@ from models.masks import (
     padding_mask,
     segment_mask,
 )
-from models.mlp import FeedForward
-from models.norms import LayerNorm, RMSNorm
-from models.positional import (
+from transformer_zoo.models.mlp import FeedForward
+from transformer_zoo.models.norms import LayerNorm, RMSNorm
+from transformer_zoo.models.positional import (
     LearnedPositionalEmbedding,
     alibi_slopes,
     apply_rope,
     sinusoidal_encoding,
 )
-from models.projection import Projection
-from models.transformer import DecoderOnly, EncoderDecoder, EncoderOnly, shift_right
-from models.variants import (
+from transformer_zoo.models.projection import Projection
+from transformer_zoo.models.transformer import DecoderOnly, EncoderDecoder, EncoderOnly, shift_right
+from transformer_zoo.models.variants import (
     AttentionImpl,
     FfnActivation,
     Kernels,

@@ -22,8 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import axes, cpu_kernels
-from models.dot_product import (
+from transformer_zoo.models import axes, cpu_kernels
+from transformer_zoo.models.dot_product import (
     alibi_bias,
     attention_dropout,
     dot_product_attention,
@@ -31,10 +31,10 @@ from models.dot_product import (
     masked_softmax,
     weighted_values,
 )
-from models.masks import AttentionMask
-from models.positional import alibi_slopes, apply_rope
-from models.projection import Projection
-from models.variants import (
+from transformer_zoo.models.masks import AttentionMask
+from transformer_zoo.models.positional import alibi_slopes, apply_rope
+from transformer_zoo.models.projection import Projection
+from transformer_zoo.models.variants import (
     AttentionImpl,
     Kernels,
     PositionEncoding,

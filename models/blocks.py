@@ -11,14 +11,14 @@ from typing import Any
 
 import flax.linen as nn
 
-from models import axes
-from models.attention import MultiHeadAttention
-from models.config import ModelConfig
-from models.cpu_kernels import stored_gradient
-from models.dropout import Dropout
-from models.mlp import FeedForward
-from models.norms import make_norm
-from models.variants import Kernels, NormPosition, PositionEncoding
+from transformer_zoo.models import axes
+from transformer_zoo.models.attention import MultiHeadAttention
+from transformer_zoo.models.config import ModelConfig
+from transformer_zoo.models.cpu_kernels import stored_gradient
+from transformer_zoo.models.dropout import Dropout
+from transformer_zoo.models.mlp import FeedForward
+from transformer_zoo.models.norms import make_norm
+from transformer_zoo.models.variants import Kernels, NormPosition, PositionEncoding
 
 Array = Any
 

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.dot_product import register_attention_impl
-from models.dropout import keep_mask, keep_probability
-from models.masks import NEG_INF, AttentionMask
+from transformer_zoo.models.dot_product import register_attention_impl
+from transformer_zoo.models.dropout import keep_mask, keep_probability
+from transformer_zoo.models.masks import NEG_INF, AttentionMask
 
 Array = Any
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models.variants import (
+from transformer_zoo.models.variants import (
     AttentionImpl,
     FfnActivation,
     Kernels,

@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.dropout import dropout
-from models.masks import NEG_INF, AttentionMask
+from transformer_zoo.models.dropout import dropout
+from transformer_zoo.models.masks import NEG_INF, AttentionMask
 
 Array = Any
 

@@ -8,8 +8,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models import axes, cpu_kernels
-from models.variants import Kernels, parse
+from transformer_zoo.models import axes, cpu_kernels
+from transformer_zoo.models.variants import Kernels, parse
 
 Array = Any
 

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from flax.linen import meta
 from jax import lax
 
-from models import cpu_kernels, decoding
-from models.transformer import DecoderOnly, EncoderDecoder, default_segmentation
-from models.variants import Kernels
+from transformer_zoo.models import cpu_kernels, decoding
+from transformer_zoo.models.transformer import DecoderOnly, EncoderDecoder, default_segmentation
+from transformer_zoo.models.variants import Kernels
 
 Array = Any
 

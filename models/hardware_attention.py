@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import models.blockwise  # noqa: F401  (registers 'blockwise', which auto dispatches to)
-from models.dot_product import dot_product_attention, register_attention_impl
-from models.masks import AttentionMask
+import transformer_zoo.models.blockwise  # noqa: F401  (registers 'blockwise', which auto dispatches to)
+from transformer_zoo.models.dot_product import dot_product_attention, register_attention_impl
+from transformer_zoo.models.masks import AttentionMask
 
 Array = Any
 

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.dot_product import register_attention_impl
-from models.masks import AttentionMask
+from transformer_zoo.models.dot_product import register_attention_impl
+from transformer_zoo.models.masks import AttentionMask
 
 Array = Any
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models.dot_product import (
+from transformer_zoo.models.dot_product import (
     alibi_bias,
     attention_dropout,
     attention_scores,
@@ -30,7 +30,7 @@ from models.dot_product import (
     register_attention_impl,
     weighted_values,
 )
-from models.masks import AttentionMask
+from transformer_zoo.models.masks import AttentionMask
 
 Array = Any
 

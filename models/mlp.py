@@ -7,10 +7,10 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models import axes
-from models.dropout import Dropout
-from models.projection import Projection
-from models.variants import FfnActivation, Kernels, parse
+from transformer_zoo.models import axes
+from transformer_zoo.models.dropout import Dropout
+from transformer_zoo.models.projection import Projection
+from transformer_zoo.models.variants import FfnActivation, Kernels, parse
 
 Array = Any
 

@@ -8,8 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import axes
-from models.variants import Norm, parse
+from transformer_zoo.models import axes
+from transformer_zoo.models.variants import Norm, parse
 
 Array = Any
 

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from models import axes
+from transformer_zoo.models import axes
 
 Array = Any
 

@@ -13,16 +13,16 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models import axes
-from models.blocks import DecoderBlock, EncoderBlock
-from models.config import ModelConfig
-from models.dropout import Dropout
-from models.embedding import Embed
-from models.masks import AttentionMask
-from models.mlp import dense
-from models.norms import make_norm
-from models.positional import LearnedPositionalEmbedding, sinusoidal_encoding
-from models.variants import NormPosition, PositionEncoding
+from transformer_zoo.models import axes
+from transformer_zoo.models.blocks import DecoderBlock, EncoderBlock
+from transformer_zoo.models.config import ModelConfig
+from transformer_zoo.models.dropout import Dropout
+from transformer_zoo.models.embedding import Embed
+from transformer_zoo.models.masks import AttentionMask
+from transformer_zoo.models.mlp import dense
+from transformer_zoo.models.norms import make_norm
+from transformer_zoo.models.positional import LearnedPositionalEmbedding, sinusoidal_encoding
+from transformer_zoo.models.variants import NormPosition, PositionEncoding
 
 Array = Any
 

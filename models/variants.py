@@ -94,7 +94,7 @@ def parse(kind: type[enum.StrEnum], value, field: str) -> enum.StrEnum:
 
 def parse_attention_impl(value, field: str) -> str:
     """A built-in `AttentionImpl` member, or another registered name, else ValueError."""
-    from models.dot_product import attention_impls
+    from transformer_zoo.models.dot_product import attention_impls
 
     if isinstance(value, str) and value in attention_impls():
         return AttentionImpl(value) if value in AttentionImpl._value2member_map_ else value

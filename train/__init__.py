@@ -1,6 +1,6 @@
 """Training, checkpoints, evaluation and decoding commands.
 
-The names below are imported on first use (PEP 562), so that `python -m train`
+The names below are imported on first use (PEP 562), so that `python -m transformer_zoo.train`
 can configure the host allocator (train/host_memory.py) before numpy or jax
 start any thread.
 """
@@ -10,19 +10,19 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Checkpointer": "train.checkpoint",
-    "average_checkpoints": "train.checkpoint",
-    "average_params": "train.checkpoint",
-    "NonFiniteLossError": "train.loop",
-    "train_and_evaluate": "train.loop",
-    "label_smoothed_cross_entropy": "train.losses",
-    "smoothing_floor": "train.losses",
-    "summarize": "train.losses",
-    "make_schedule": "train.schedules",
-    "rsqrt_warmup": "train.schedules",
-    "TrainState": "train.state",
-    "create_train_state": "train.state",
-    "make_optimizer": "train.state",
+    "Checkpointer": "transformer_zoo.train.checkpoint",
+    "average_checkpoints": "transformer_zoo.train.checkpoint",
+    "average_params": "transformer_zoo.train.checkpoint",
+    "NonFiniteLossError": "transformer_zoo.train.loop",
+    "train_and_evaluate": "transformer_zoo.train.loop",
+    "label_smoothed_cross_entropy": "transformer_zoo.train.losses",
+    "smoothing_floor": "transformer_zoo.train.losses",
+    "summarize": "transformer_zoo.train.losses",
+    "make_schedule": "transformer_zoo.train.schedules",
+    "rsqrt_warmup": "transformer_zoo.train.schedules",
+    "TrainState": "transformer_zoo.train.state",
+    "create_train_state": "transformer_zoo.train.state",
+    "make_optimizer": "transformer_zoo.train.state",
 }
 
 __all__ = sorted(_EXPORTS)

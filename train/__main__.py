@@ -1,10 +1,10 @@
-"""python -m train --config configs/<recipe>.py --workdir DIR [--config.field=value ...]
+"""python -m transformer_zoo.train --config configs/<recipe>.py --workdir DIR [--config.field=value ...]
 
 Trains (resuming from DIR if it holds checkpoints), evaluates, decodes
 held-out examples and prints the metric.
 """
 
-from train.host_memory import restart_with_huge_pages
+from transformer_zoo.train.host_memory import restart_with_huge_pages
 
 # Before numpy or jax are imported: on CPU, restarts this command once with
 # glibc's huge-page tunable, so XLA's per-step buffers are not faulted in 4 KiB
@@ -17,7 +17,7 @@ import sys  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from train.loop import NonFiniteLossError, train_and_evaluate  # noqa: E402
+from transformer_zoo.train.loop import NonFiniteLossError, train_and_evaluate  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", lock_config=True)

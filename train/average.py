@@ -1,10 +1,10 @@
-"""python -m train.average: average the parameters of a run's last checkpoints.
+"""python -m transformer_zoo.train.average: average the parameters of a run's last checkpoints.
 
-    python -m train.average --workdir DIR --last 5 --output DIR_AVG
+    python -m transformer_zoo.train.average --workdir DIR --last 5 --output DIR_AVG
 
 The paper averaged the last 5 (base) or 20 (big) checkpoints. The output is a
 params-only run directory (config + tokenizer + one checkpoint) that
-`python -m train.decode --workdir DIR_AVG` decodes from.
+`python -m transformer_zoo.train.decode --workdir DIR_AVG` decodes from.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from train.checkpoint import average_checkpoints
-from train.input import tokenizer_dir
-from train.predict import load_run
+from transformer_zoo.train.checkpoint import average_checkpoints
+from transformer_zoo.train.input import tokenizer_dir
+from transformer_zoo.train.predict import load_run
 
 
 def average_run(workdir, output, last_n: int) -> int:
@@ -31,7 +31,7 @@ def average_run(workdir, output, last_n: int) -> int:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("absl").setLevel(logging.ERROR)
-    p = argparse.ArgumentParser(prog="python -m train.average", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m transformer_zoo.train.average", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True)
     p.add_argument("--last", type=int, required=True, help="number of latest checkpoints")
     p.add_argument("--output", required=True, help="new run directory for the average")

@@ -1,6 +1,6 @@
-"""python -m train.decode: restore a run's parameters, decode, score.
+"""python -m transformer_zoo.train.decode: restore a run's parameters, decode, score.
 
-    python -m train.decode --workdir DIR [--step N] --input FILE|- [--output FILE]
+    python -m transformer_zoo.train.decode --workdir DIR [--step N] --input FILE|- [--output FILE]
         [--beam_size 4 --alpha 0.6 | --temperature T --top_k K --top_p P]
         [--reference FILE]
 
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import jax
 
-from train.parallel import kernels_for
-from train.predict import load_run, score
+from transformer_zoo.train.parallel import kernels_for
+from transformer_zoo.train.predict import load_run, score
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.decode", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m transformer_zoo.train.decode", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True, help="run directory with checkpoints/")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--input", required=True, help="one sentence or prompt per line; - = stdin")

@@ -16,7 +16,7 @@ RSS; the default recipe's training 2 min 20-24 s -> 2 min 2-15 s, peak RSS
 (`MALLOC_MMAP_MAX_=0` and one arena) was as fast, but fragmentation let the heap
 grow by up to seven buffers' worth, so it is not used.
 
-glibc reads tunables only at process start, so `python -m train` restarts
+glibc reads tunables only at process start, so `python -m transformer_zoo.train` restarts
 itself once with the tunable set (`restart_with_huge_pages`), before importing
 numpy or jax. Nothing changes where the tunable would do nothing or the user
 chose: not glibc >= 2.35, transparent huge pages not in `madvise` mode (with

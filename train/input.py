@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-import data
+from transformer_zoo import data
 
 TASKS = ("numbers", "parallel_files", "tfds_translation", "text_file", "tfds_text", "sorted")
 

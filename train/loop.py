@@ -21,14 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from train import parallel, predict
-from train.checkpoint import Checkpointer, average_checkpoints, checkpoint_dir, write_json
-from train.input import Input, build_input
-from train.losses import summarize
-from train.metrics import CompileTimer, MetricWriter, Progress
-from train.state import TrainState, create_train_state, make_optimizer
-from train.step import make_eval_step, make_train_step
-from train.tasks import build_model, dummy_batch, model_config_from
+from transformer_zoo.train import parallel, predict
+from transformer_zoo.train.checkpoint import Checkpointer, average_checkpoints, checkpoint_dir, write_json
+from transformer_zoo.train.input import Input, build_input
+from transformer_zoo.train.losses import summarize
+from transformer_zoo.train.metrics import CompileTimer, MetricWriter, Progress
+from transformer_zoo.train.state import TrainState, create_train_state, make_optimizer
+from transformer_zoo.train.step import make_eval_step, make_train_step
+from transformer_zoo.train.tasks import build_model, dummy_batch, model_config_from
 
 log = logging.getLogger("train")
 
@@ -220,7 +220,7 @@ def _averaged_params(run: Run, n: int):
     steps = run.checkpointer.all_steps()
     if len(steps) < n or jax.process_count() > 1:
         log.warning("not averaging: %d checkpoints %s for average_last=%d, %d processes "
-                    "(python -m train.average does it offline)", len(steps), steps, n,
+                    "(python -m transformer_zoo.train.average does it offline)", len(steps), steps, n,
                     jax.process_count())
         return None
     out = run.workdir / "averaged"

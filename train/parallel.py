@@ -38,9 +38,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import axes
-from models.variants import Kernels
-from train.state import TrainState
+from transformer_zoo.models import axes
+from transformer_zoo.models.variants import Kernels
+from transformer_zoo.train.state import TrainState
 
 log = logging.getLogger("train")
 
@@ -284,7 +284,7 @@ class Plan:
 
     def shardings(self, model, family: str, abstract_state: TrainState) -> TrainState:
         """State shardings from the logical specs of the boxed params."""
-        from train.tasks import dummy_batch
+        from transformer_zoo.train.tasks import dummy_batch
 
         boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), **dummy_batch(family)))
         params_sh = param_shardings(boxed["params"], self.mesh, self.rules)

@@ -1,6 +1,6 @@
 """Text in, text out: decode held-out examples and score them.
 
-Used by the training loop (periodic and final metrics) and by `python -m train.decode`.
+Used by the training loop (periodic and final metrics) and by `python -m transformer_zoo.train.decode`.
 Encoder-decoder runs translate with beam search (or greedy with beam_size 1);
 the metric is exact match for the synthetic task and sacreBLEU + chrF for
 translation.
@@ -19,10 +19,10 @@ import numpy as np
 import sacrebleu
 from flax.core import meta
 
-from data import EOS_ID, PAD_ID, load_tokenizer, normalize_text
-from models import Kernels, ModelConfig, generate
-from train.checkpoint import Checkpointer
-from train.tasks import build_model, dummy_batch
+from transformer_zoo.data import EOS_ID, PAD_ID, load_tokenizer, normalize_text
+from transformer_zoo.models import Kernels, ModelConfig, generate
+from transformer_zoo.train.checkpoint import Checkpointer
+from transformer_zoo.train.tasks import build_model, dummy_batch
 
 log = logging.getLogger("train")
 
@@ -231,7 +231,7 @@ def load_run(workdir, step: int | None = None, *,
       workdir: the run's directory.
       step: the checkpoint step (default: the latest).
       kernels: how the restored model computes: PORTABLE (plain JAX, any
-        platform) or CPU (the XLA:CPU layer; `python -m train.decode` picks it
+        platform) or CPU (the XLA:CPU layer; `python -m transformer_zoo.train.decode` picks it
         on CPU). The values are the same.
 
     Raises:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct, traverse_util
 
-from train.schedules import make_schedule
+from transformer_zoo.train.schedules import make_schedule
 
 Array = Any
 

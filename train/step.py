@@ -8,9 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from train.losses import label_smoothed_cross_entropy, token_metrics
-from train.state import TrainState
-from train.tasks import forward
+from transformer_zoo.train.losses import label_smoothed_cross_entropy, token_metrics
+from transformer_zoo.train.state import TrainState
+from transformer_zoo.train.tasks import forward
 
 Array = Any
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from models import DecoderOnly, EncoderDecoder, EncoderOnly, ModelConfig
+from transformer_zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly, ModelConfig
 
 Array = Any
 

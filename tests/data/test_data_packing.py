@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from data import EOS_ID, pack, pad, unpack
+from transformer_zoo.data import EOS_ID, pack, pad, unpack
 
 
 def _ex(inputs=None, targets=None, labels=None):

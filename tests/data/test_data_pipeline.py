@@ -6,7 +6,7 @@ import grain
 import numpy as np
 import pytest
 
-from data import (
+from transformer_zoo.data import (
     PAD_ID,
     Batching,
     CharTokenizer,

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from data import normalize_text, parallel_files, text_corpus, text_files, tsv_file
+from transformer_zoo.data import normalize_text, parallel_files, text_corpus, text_files, tsv_file
 
 
 def _write(path, content: bytes):
@@ -22,7 +22,7 @@ def test_multi30k_style_normalisation():
 def test_parallel_files_normalise_and_skip_empty(tmp_path, caplog):
     src = _write(tmp_path / "train.en", b"A dog .\n\nTwo  cats\n")
     tgt = _write(tmp_path / "train.de", "Ein\u00a0Hund .\nLeer\nZwei\tKatzen\u00a0\n".encode())
-    with caplog.at_level(logging.INFO, logger="data.sources"):
+    with caplog.at_level(logging.INFO, logger="transformer_zoo.data.sources"):
         ds = parallel_files(src, tgt)
     assert list(ds) == [{"inputs": "A dog .", "targets": "Ein Hund ."},
                         {"inputs": "Two cats", "targets": "Zwei Katzen"}]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from data import (
+from transformer_zoo.data import (
     MAX_NUMBER,
     number_split,
     number_to_words,

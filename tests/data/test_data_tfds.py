@@ -12,7 +12,7 @@ import sys
 _SCRIPT = r"""
 import json, sys
 import tensorflow_datasets as tfds
-import data
+from transformer_zoo import data
 
 out = {}
 with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from data import (
+from transformer_zoo.data import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

@@ -8,7 +8,7 @@ import pytest
 from scipy.special import softmax
 from zoo_testlib import assert_close, init, key, normal
 
-from models import MultiHeadAttention, causal_mask, dot_product_attention
+from transformer_zoo.models import MultiHeadAttention, causal_mask, dot_product_attention
 
 pytestmark = pytest.mark.usefixtures("fast_compilation")
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from zoo_testlib import init, normal, random_ids, tiny_config
 
-import models
+from transformer_zoo import models
 
 pytestmark = pytest.mark.usefixtures("fast_compilation")
 
@@ -48,7 +48,7 @@ def _jit(fn, **kwargs):
 
 
 def _models_modules():
-    return [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "models"]
+    return [m for name, m in list(sys.modules.items()) if name.startswith("transformer_zoo.models")]
 
 
 @pytest.fixture(autouse=True)

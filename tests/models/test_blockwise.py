@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import blockwise, hardware_attention
-from models.dot_product import (
+from transformer_zoo.models import blockwise, hardware_attention
+from transformer_zoo.models.dot_product import (
     attention_scores,
     dot_product_attention,
     masked_softmax,
     weighted_values,
 )
-from models.dropout import keep_mask, keep_probability
-from models.masks import make_attention_mask
+from transformer_zoo.models.dropout import keep_mask, keep_probability
+from transformer_zoo.models.masks import make_attention_mask
 
 # Small tiles so that short test sequences span several of them.
 BQ, BK = 16, 8
@@ -271,7 +271,7 @@ def test_pallas_compiled_for_cpu_runs_the_interpreter_and_matches_xla():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU choice")
 def test_auto_picks_xla_short_and_blockwise_long_on_cpu(caplog, monkeypatch):
     monkeypatch.setattr(hardware_attention, "_logged", set())  # earlier tests' choices
-    caplog.set_level(logging.INFO, logger="models.hardware_attention")
+    caplog.set_level(logging.INFO, logger="transformer_zoo.models.hardware_attention")
     short = _qkv(1, 16, 16, 2, 2, 4)
     long_len = hardware_attention.AUTO_LONG_SEQUENCE
     long = _qkv(1, 4, long_len, 2, 2, 4)
@@ -316,8 +316,8 @@ def test_pallas_gpu_adapter_in_interpreter_matches_xla(causal):
 def test_decoder_only_trains_the_same_with_blockwise():
     import optax
 
-    from models import DecoderOnly, ModelConfig
-    from models.dot_product import register_attention_impl
+    from transformer_zoo.models import DecoderOnly, ModelConfig
+    from transformer_zoo.models.dot_product import register_attention_impl
 
     # Small tiles so the 40-token sequences span several of them.
     register_attention_impl("blockwise_test_tiles", blockwise.make_blockwise_impl(16, 8))

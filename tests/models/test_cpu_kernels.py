@@ -14,10 +14,10 @@ import pytest
 from jax import export
 from zoo_testlib import assert_close, init, key, normal, random_ids, tiny_config
 
-import models
-from models import FeedForward, Kernels, MultiHeadAttention, cpu_kernels
-from models import generate as gen
-from models.projection import Projection
+from transformer_zoo import models
+from transformer_zoo.models import FeedForward, Kernels, MultiHeadAttention, cpu_kernels
+from transformer_zoo.models import generate as gen
+from transformer_zoo.models.projection import Projection
 
 DW = cpu_kernels.DECODE_WEIGHTS
 CPU, PORTABLE = Kernels.CPU, Kernels.PORTABLE
@@ -274,7 +274,7 @@ def test_decoding_after_a_parameter_update_uses_the_new_parameters():
 
 def _train_step_gradient(kernels):
     """The training step's gradient (dropout on) of a pre-norm EncoderDecoder, and its args."""
-    from train.losses import label_smoothed_cross_entropy
+    from transformer_zoo.train.losses import label_smoothed_cross_entropy
 
     cfg = tiny_config(norm_position="pre", dropout_rate=0.1, kernels=kernels)
     model = models.EncoderDecoder(cfg)

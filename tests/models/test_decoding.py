@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
-from models import decoding
-from models import generate as gen
+from transformer_zoo import models
+from transformer_zoo.models import decoding
+from transformer_zoo.models import generate as gen
 
 EOS, PAD, BOS = 1, 0, 2
 

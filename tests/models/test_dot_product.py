@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from zoo_testlib import key, normal
 
-from models import AttentionMask, alibi_slopes, causal_mask, dot_product_attention
-from models.dot_product import attention_dropout, attention_scores
+from transformer_zoo.models import AttentionMask, alibi_slopes, causal_mask, dot_product_attention
+from transformer_zoo.models.dot_product import attention_dropout, attention_scores
 
 pytestmark = pytest.mark.usefixtures("fast_compilation")
 

@@ -7,8 +7,8 @@ import pytest
 from scipy.special import expit
 from zoo_testlib import init, key, normal
 
-from models import Embed, FeedForward, LayerNorm, RMSNorm
-from models.norms import make_norm
+from transformer_zoo.models import Embed, FeedForward, LayerNorm, RMSNorm
+from transformer_zoo.models.norms import make_norm
 
 pytestmark = pytest.mark.usefixtures("fast_compilation")
 

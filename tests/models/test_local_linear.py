@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import linear_attention, local_attention  # noqa: F401  (register the impls)
-from models.dot_product import dot_product_attention
-from models.masks import make_attention_mask
+from transformer_zoo.models import linear_attention, local_attention  # noqa: F401  (register the impls)
+from transformer_zoo.models.dot_product import dot_product_attention
+from transformer_zoo.models.masks import make_attention_mask
 
 
 def _qkv(B, T, N, K, H, seed=0):

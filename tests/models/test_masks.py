@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import (
+from transformer_zoo.models import (
     AttentionMask,
     causal_mask,
     combine_masks,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from zoo_testlib import key
 
-from models import PRESETS, EncoderDecoder, ModelConfig, get_preset
+from transformer_zoo.models import PRESETS, EncoderDecoder, ModelConfig, get_preset
 
 pytestmark = pytest.mark.usefixtures("fast_compilation")
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from zoo_testlib import init, normal
 
-from models import LearnedPositionalEmbedding, alibi_bias, alibi_slopes, apply_rope
-from models import sinusoidal_encoding as sinusoidal
+from transformer_zoo.models import LearnedPositionalEmbedding, alibi_bias, alibi_slopes, apply_rope
+from transformer_zoo.models import sinusoidal_encoding as sinusoidal
 
 pytestmark = pytest.mark.usefixtures("fast_compilation")
 

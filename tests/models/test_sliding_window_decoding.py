@@ -17,9 +17,9 @@ from zoo_testlib import (
     tiny_config,
 )
 
-import models
-from models import MultiHeadAttention, make_attention_mask
-from models import generate as gen
+from transformer_zoo import models
+from transformer_zoo.models import MultiHeadAttention, make_attention_mask
+from transformer_zoo.models import generate as gen
 
 pytestmark = pytest.mark.usefixtures("fast_compilation")
 

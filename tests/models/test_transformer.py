@@ -15,7 +15,7 @@ from zoo_testlib import (
     tiny_config,
 )
 
-from models import DecoderOnly, EncoderDecoder, EncoderOnly, axes, shift_right
+from transformer_zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly, axes, shift_right
 
 pytestmark = pytest.mark.usefixtures("fast_compilation")
 

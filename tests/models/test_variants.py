@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from zoo_testlib import normal, tiny_config
 
-from models import (
+from transformer_zoo.models import (
     AttentionImpl,
     Embed,
     FeedForward,
@@ -23,8 +23,8 @@ from models import (
     dot_product_attention,
     make_attention_mask,
 )
-from models.norms import make_norm
-from models.projection import Projection
+from transformer_zoo.models.norms import make_norm
+from transformer_zoo.models.projection import Projection
 
 FAMILIES = {
     "position_encoding": PositionEncoding,

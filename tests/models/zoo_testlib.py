@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import DecoderOnly, EncoderDecoder, ModelConfig, shift_right
+from transformer_zoo.models import DecoderOnly, EncoderDecoder, ModelConfig, shift_right
 
 TINY = dict(
     vocab_size=32,

@@ -21,12 +21,12 @@ import jax
 import numpy as np
 
 from tests.train import tiny_config
-from train import parallel
-from train.input import build_input
-from train.loop import init_state, restore_or_start, setup, train_and_evaluate
-from train.state import make_optimizer
-from train.step import make_train_step
-from train.tasks import build_model, model_config_from
+from transformer_zoo.train import parallel
+from transformer_zoo.train.input import build_input
+from transformer_zoo.train.loop import init_state, restore_or_start, setup, train_and_evaluate
+from transformer_zoo.train.state import make_optimizer
+from transformer_zoo.train.step import make_train_step
+from transformer_zoo.train.tasks import build_model, model_config_from
 
 NUM_STEPS = 3
 VARIANTS = {  # name: (mesh_shape, step)

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models import EncoderDecoder
-from train.input import build_input
-from train.tasks import build_model, model_config_from
+from transformer_zoo.models import EncoderDecoder
+from transformer_zoo.train.input import build_input
+from transformer_zoo.train.tasks import build_model, model_config_from
 
 RECIPES = ["default", "multi30k", "wmt14_ende_base", "wmt14_ende_big", "lm1b", "tinyshakespeare",
            "sorted"]

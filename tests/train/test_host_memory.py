@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from train import host_memory
+from transformer_zoo.train import host_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_the_tunable_cuts_page_faults_of_xla_buffers():
 
 def test_restart_sets_the_tunable_once():
     code = ("import os\n"
-            "from train import host_memory\n"
+            "from transformer_zoo.train import host_memory\n"
             "host_memory.huge_pages_supported = lambda: True\n"
             "print('start', os.environ.get('GLIBC_TUNABLES'), flush=True)\n"
             "host_memory.restart_with_huge_pages()\n"
@@ -123,13 +123,13 @@ def test_glibc_version_reads_the_running_library(monkeypatch):
 
 def test_python_m_train_restarts_before_numpy_or_jax():
     code = ("import sys, runpy\n"
-            "import train.host_memory as hm\n"
+            "import transformer_zoo.train.host_memory as hm\n"
             "seen = []\n"
             "hm.restart_with_huge_pages = lambda: seen.append(\n"
             "    sorted(m for m in ('numpy', 'jax') if m in sys.modules))\n"
             "sys.argv = ['train', '--helpshort']\n"
             "try:\n"
-            "    runpy.run_module('train', run_name='__main__')\n"
+            "    runpy.run_module('transformer_zoo.train', run_name='__main__')\n"
             "except SystemExit:\n"
             "    pass\n"
             "print(seen)\n")

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 
 from tests.train import tiny_config
-from train.checkpoint import Checkpointer
-from train.loop import NonFiniteLossError, train_and_evaluate
-from train.predict import load_run
+from transformer_zoo.train.checkpoint import Checkpointer
+from transformer_zoo.train.loop import NonFiniteLossError, train_and_evaluate
+from transformer_zoo.train.predict import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = Path(tiny_config.__file__)
 
 
 def _train_cmd(workdir, *overrides):
-    return [sys.executable, "-m", "train", f"--config={CONFIG}", f"--workdir={workdir}",
+    return [sys.executable, "-m", "transformer_zoo.train", f"--config={CONFIG}", f"--workdir={workdir}",
             *overrides]
 
 
@@ -74,7 +74,7 @@ def test_killed_and_resumed_run_is_bitwise_identical(full_run, tmp_path):
 def test_decode_in_fresh_process_equals_training_process(full_run, tmp_path):
     out = tmp_path / "hyp.txt"
     proc = subprocess.run(
-        [sys.executable, "-m", "train.decode", f"--workdir={full_run}",
+        [sys.executable, "-m", "transformer_zoo.train.decode", f"--workdir={full_run}",
          f"--input={full_run / 'heldout.src'}", f"--reference={full_run / 'heldout.ref'}",
          "--beam_size=2", f"--output={out}"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -92,7 +92,7 @@ def test_decode_errors_exit_1_and_write_nothing(full_run, tmp_path):
         ([f"--workdir={full_run}", f"--input={long_input}"], "41 tokens"),
     ]
     for args, message in cases:
-        proc = subprocess.run([sys.executable, "-m", "train.decode", *args, f"--output={out}"],
+        proc = subprocess.run([sys.executable, "-m", "transformer_zoo.train.decode", *args, f"--output={out}"],
                               cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 1, proc.stderr
         assert message in proc.stderr
@@ -126,7 +126,7 @@ def test_incompatible_workdir_is_refused_and_untouched(full_run, tmp_path):
 
 
 def test_average_is_the_mean_of_the_last_checkpoints(full_run, tmp_path):
-    from train.average import average_run
+    from transformer_zoo.train.average import average_run
 
     step = average_run(full_run, tmp_path / "avg", 3)
     assert step == 30
@@ -160,7 +160,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_init_from_starts_from_another_runs_params(full_run, tmp_path):
-    from train.loop import restore_or_start, setup
+    from transformer_zoo.train.loop import restore_or_start, setup
 
     config = tiny_config.get_config()
     config.init_from = str(full_run)
@@ -189,7 +189,7 @@ def test_bf16_compute_trains_with_float32_params_and_eval_decodes(tmp_path):
 
 
 def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path):
-    from configs import tinyshakespeare
+    from transformer_zoo.configs import tinyshakespeare
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("to be or not to be, that is the question.\n" * 200)
@@ -212,7 +212,7 @@ def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path):
     assert len(long) == 100 and long.startswith(run.generate(["to be"], max_new_tokens=16)[0])
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("to be\n")
-    proc = subprocess.run([sys.executable, "-m", "train.decode", f"--workdir={workdir}",
+    proc = subprocess.run([sys.executable, "-m", "transformer_zoo.train.decode", f"--workdir={workdir}",
                            f"--input={prompts}", "--max_new_tokens=12"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -239,8 +239,8 @@ def _write_pairs(directory, name, examples):
 
 
 def test_translation_recipe_averages_selects_on_val_and_reports_test(tmp_path):
-    import data
-    from configs import multi30k
+    from transformer_zoo import data
+    from transformer_zoo.configs import multi30k
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from configs import common
+from transformer_zoo.configs import common
 from tests.train import parallel_worker
-from train import parallel
-from train.input import per_process
-from train.loop import restore_or_start, setup
-from train.predict import load_run
+from transformer_zoo.train import parallel
+from transformer_zoo.train.input import per_process
+from transformer_zoo.train.loop import restore_or_start, setup
+from transformer_zoo.train.predict import load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = parallel.validate_rules(common.base_config().parallel.logical_axis_rules)

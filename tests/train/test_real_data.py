@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from configs import multi30k, tinyshakespeare
-from configs.paths import SHARED_DATA
-from train.loop import train_and_evaluate
+from transformer_zoo.configs import multi30k, tinyshakespeare
+from transformer_zoo.configs.paths import SHARED_DATA
+from transformer_zoo.train.loop import train_and_evaluate
 
 NEEDED = [SHARED_DATA / "multi30k" / f"{split}.{side}" for split in ("train", "val")
           for side in ("en", "de")] + [SHARED_DATA / "tinyshakespeare" / "input.txt"]

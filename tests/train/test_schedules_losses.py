@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from train.losses import label_smoothed_cross_entropy, smoothing_floor, summarize, token_metrics
-from train.schedules import make_schedule, rsqrt_warmup
-from train.state import decay_mask, make_optimizer
+from transformer_zoo.train.losses import label_smoothed_cross_entropy, smoothing_floor, summarize, token_metrics
+from transformer_zoo.train.schedules import make_schedule, rsqrt_warmup
+from transformer_zoo.train.state import decay_mask, make_optimizer
 
 
 @pytest.mark.parametrize("step", [1, 100, 3999, 4000, 4001, 10_000, 100_000])

@@ -3,7 +3,7 @@
 Usable as a config file (`--config tests/train/tiny_config.py`) and from Python.
 """
 
-from configs import default
+from transformer_zoo.configs import default
 
 
 def get_config():
