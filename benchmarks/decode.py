@@ -136,7 +136,7 @@ def main():
     parser.add_argument("--encoder-decoder-only", action="store_true",
                         help="skip the decoder-only length sweep (~2 min instead of ~5)")
     parser.add_argument("--kernels", choices=[k.value for k in models.Kernels], default="cpu",
-                        help="the models' kernels (default cpu, as python -m transformer_zoo.train.decode)")
+                        help="the models' kernels (default cpu, as the decode CLI)")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} "
           f"device(s), kernels={args.kernels}")

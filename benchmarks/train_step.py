@@ -226,7 +226,7 @@ def main() -> None:
                         help="alternating ours/torch subprocess rounds (pooled)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--system-malloc", action="store_true",
-                        help="run the workers without python -m transformer_zoo.train's malloc environment")
+                        help="run the workers without the training CLI's malloc environment")
     parser.add_argument("--kernels", default="cpu",
                         help="comma-separated models.Kernels values for ours: cpu (the CLIs' "
                              "choice on CPU), portable, or both")

@@ -1,1 +1,4 @@
-"""ml_collections recipes: `python -m transformer_zoo.train --config configs/<recipe>.py --workdir DIR`."""
+"""ml_collections recipes.
+
+    python -m transformer_zoo.train --config configs/<recipe>.py --workdir DIR
+"""

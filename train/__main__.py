@@ -1,4 +1,4 @@
-"""python -m transformer_zoo.train --config configs/<recipe>.py --workdir DIR [--config.field=value ...]
+"""python -m transformer_zoo.train --config configs/<recipe>.py --workdir DIR [--config.x=...]
 
 Trains (resuming from DIR if it holds checkpoints), evaluates, decodes
 held-out examples and prints the metric.

@@ -31,7 +31,8 @@ def average_run(workdir, output, last_n: int) -> int:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("absl").setLevel(logging.ERROR)
-    p = argparse.ArgumentParser(prog="python -m transformer_zoo.train.average", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m transformer_zoo.train.average",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True)
     p.add_argument("--last", type=int, required=True, help="number of latest checkpoints")
     p.add_argument("--output", required=True, help="new run directory for the average")

@@ -25,7 +25,8 @@ from transformer_zoo.train.predict import load_run, score
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m transformer_zoo.train.decode", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m transformer_zoo.train.decode",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True, help="run directory with checkpoints/")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--input", required=True, help="one sentence or prompt per line; - = stdin")

@@ -22,7 +22,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_zoo.train import parallel, predict
-from transformer_zoo.train.checkpoint import Checkpointer, average_checkpoints, checkpoint_dir, write_json
+from transformer_zoo.train.checkpoint import (
+    Checkpointer,
+    average_checkpoints,
+    checkpoint_dir,
+    write_json,
+)
 from transformer_zoo.train.input import Input, build_input
 from transformer_zoo.train.losses import summarize
 from transformer_zoo.train.metrics import CompileTimer, MetricWriter, Progress
@@ -220,8 +225,8 @@ def _averaged_params(run: Run, n: int):
     steps = run.checkpointer.all_steps()
     if len(steps) < n or jax.process_count() > 1:
         log.warning("not averaging: %d checkpoints %s for average_last=%d, %d processes "
-                    "(python -m transformer_zoo.train.average does it offline)", len(steps), steps, n,
-                    jax.process_count())
+                    "(python -m transformer_zoo.train.average does it offline)", len(steps), steps,
+                    n, jax.process_count())
         return None
     out = run.workdir / "averaged"
     saved = checkpoint_dir(out)

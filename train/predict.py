@@ -1,6 +1,7 @@
 """Text in, text out: decode held-out examples and score them.
 
-Used by the training loop (periodic and final metrics) and by `python -m transformer_zoo.train.decode`.
+Used by the training loop (periodic and final metrics) and by
+`python -m transformer_zoo.train.decode`.
 Encoder-decoder runs translate with beam search (or greedy with beam_size 1);
 the metric is exact match for the synthetic task and sacreBLEU + chrF for
 translation.

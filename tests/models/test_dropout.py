@@ -6,7 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_zoo.models.dropout import Dropout, dropout, keep_mask, keep_probability, keep_threshold
+from transformer_zoo.models.dropout import (
+    Dropout,
+    dropout,
+    keep_mask,
+    keep_probability,
+    keep_threshold,
+)
 
 N = 1 << 22  # 4M draws: the keep fraction's standard deviation is 1.5e-4 at rate 0.1
 

@@ -24,7 +24,8 @@ CONFIG = Path(tiny_config.__file__)
 
 
 def _train_cmd(workdir, *overrides):
-    return [sys.executable, "-m", "transformer_zoo.train", f"--config={CONFIG}", f"--workdir={workdir}",
+    return [sys.executable, "-m", "transformer_zoo.train", f"--config={CONFIG}",
+            f"--workdir={workdir}",
             *overrides]
 
 
@@ -92,7 +93,8 @@ def test_decode_errors_exit_1_and_write_nothing(full_run, tmp_path):
         ([f"--workdir={full_run}", f"--input={long_input}"], "41 tokens"),
     ]
     for args, message in cases:
-        proc = subprocess.run([sys.executable, "-m", "transformer_zoo.train.decode", *args, f"--output={out}"],
+        proc = subprocess.run([sys.executable, "-m", "transformer_zoo.train.decode", *args,
+                               f"--output={out}"],
                               cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 1, proc.stderr
         assert message in proc.stderr
@@ -212,7 +214,8 @@ def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path):
     assert len(long) == 100 and long.startswith(run.generate(["to be"], max_new_tokens=16)[0])
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("to be\n")
-    proc = subprocess.run([sys.executable, "-m", "transformer_zoo.train.decode", f"--workdir={workdir}",
+    proc = subprocess.run([sys.executable, "-m", "transformer_zoo.train.decode",
+                           f"--workdir={workdir}",
                            f"--input={prompts}", "--max_new_tokens=12"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from transformer_zoo.configs import common
 from tests.train import parallel_worker
+from transformer_zoo.configs import common
 from transformer_zoo.train import parallel
 from transformer_zoo.train.input import per_process
 from transformer_zoo.train.loop import restore_or_start, setup

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from transformer_zoo.train.losses import label_smoothed_cross_entropy, smoothing_floor, summarize, token_metrics
+from transformer_zoo.train.losses import (
+    label_smoothed_cross_entropy,
+    smoothing_floor,
+    summarize,
+    token_metrics,
+)
 from transformer_zoo.train.schedules import make_schedule, rsqrt_warmup
 from transformer_zoo.train.state import decay_mask, make_optimizer
 
