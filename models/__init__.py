@@ -40,6 +40,13 @@ from transformer_zoo.models.masks import (
     segment_mask,
 )
 from transformer_zoo.models.mlp import FeedForward
+from transformer_zoo.models.nnx_bridge import (
+    decode_step,
+    has_cache,
+    init_cache,
+    linen_variables,
+    to_nnx,
+)
 from transformer_zoo.models.norms import LayerNorm, RMSNorm
 from transformer_zoo.models.positional import (
     LearnedPositionalEmbedding,
@@ -91,16 +98,21 @@ __all__ = [
     "cpu_kernels",
     "causal_mask",
     "combine_masks",
+    "decode_step",
     "dot_product_attention",
     "dropout",
     "get_preset",
+    "has_cache",
+    "init_cache",
     "keep_mask",
     "keep_probability",
+    "linen_variables",
     "make_attention_mask",
     "padding_mask",
     "register_attention_impl",
     "segment_mask",
     "shift_right",
     "sinusoidal_encoding",
+    "to_nnx",
     "variants",
 ]
