@@ -1,12 +1,12 @@
 """Huge pages for XLA:CPU's per-step buffers, so they are not faulted in 4 KiB at a time.
 
 XLA:CPU allocates the temporary buffer of each execution with malloc and frees
-it when the execution ends; for the issue-9 benchmark step that buffer is 228
-MiB. glibc serves every allocation above 32 MiB with a fresh `mmap` and unmaps
-it on free, so every step the kernel maps and zeroes the whole buffer again, one
-4 KiB page at a time: 62,000 page faults and ~0.13 s of system time per step on
-the 2-core dev machine, a sixth of the step's CPU time (benchmarks/README.md,
-session 6).
+it when the execution ends; for the benchmark train step (benchmarks/train_step.py)
+that buffer is 228 MiB. glibc serves every allocation above 32 MiB with a fresh `mmap`
+and unmaps it on free, so every step the kernel maps and zeroes the whole buffer again,
+one 4 KiB page at a time: 62,000 page faults and ~0.13 s of system time per step on a
+2-core AMD EPYC Zen 4, a sixth of the step's CPU time (benchmarks/README.md, "Page
+faults of the per-step buffer").
 
 With glibc's tunable `glibc.malloc.hugetlb=1` (glibc >= 2.35), malloc asks the
 kernel for transparent huge pages on the blocks it maps, and the same buffer
