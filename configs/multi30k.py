@@ -2,7 +2,7 @@
 
     python -m transformer_zoo.train --config configs/multi30k.py --workdir runs/multi30k
 
-One command trains (~37 min on the 2-core Zen 5 dev machine), checkpoints every 100 steps,
+One command trains (~37 min on a 2-core AMD Zen 5), checkpoints every 100 steps,
 decodes val (beam 4, alpha 0.6) with the final and with the average of the
 last 5 checkpoints, keeps the better on val, and decodes test2016 with it:
 sacreBLEU / chrF in WORKDIR/final_metrics.json, hypotheses in WORKDIR/test.hyp.
@@ -20,7 +20,7 @@ MULTI30K = SHARED_DATA / "multi30k"
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.base_config()
+    config = common.base_config(task="parallel_files")
     config.family = "encoder_decoder"
     # The paper's architecture (post-norm, sinusoidal, ReLU, tied joint embeddings),
     # narrower and shallower: the base model overfits 29k pairs.
@@ -28,7 +28,6 @@ def get_config() -> ml_collections.ConfigDict:
                         num_decoder_layers=3, dropout_rate=0.1, max_length=256)
 
     d = config.data
-    d.task = "parallel_files"
     d.train_source = str(MULTI30K / "train.en")
     d.train_target = str(MULTI30K / "train.de")
     d.eval_source = str(MULTI30K / "val.en")  # model selection only on val
@@ -53,10 +52,10 @@ def get_config() -> ml_collections.ConfigDict:
     o.warmup_steps = 500
 
     t = config.train
-    # ~37 min of training (~21 epochs) at ~0.5 s/step on the 2-core Zen 5 dev
-    # machine: with the evaluations and the decodes at the end the whole command
-    # fits in 60 min. On a ~3x slower machine (the Zen 4 of the first sessions,
-    # ~1.9 s/step) --config.train.num_steps=1600 fits instead.
+    # ~37 min of training (~21 epochs) at ~0.5 s/step on a 2-core AMD Zen 5: with
+    # the evaluations and the decodes at the end the whole command fits in 60 min.
+    # On a ~3x slower CPU (a 2-core AMD Zen 4 at ~1.9 s/step)
+    # --config.train.num_steps=1600 fits instead.
     t.num_steps = 4500
     t.log_every = 100
     t.eval_every = 500

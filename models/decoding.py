@@ -124,7 +124,8 @@ def first_argmax(x: Array) -> Array:
     XLA:CPU lowers argmax to a (value, index) reduce that does not vectorise:
     over [8, 8192] logits it took 0.34 ms alone where a max, then the lowest
     index holding it, takes 0.09 ms and returns the same index; the greedy
-    decoding step got 1.07x faster (benchmarks/README.md, session 5).
+    decoding step got 1.07x faster on a 2-core AMD Zen 5 (benchmarks/README.md,
+    "argmax and weight gradients").
 
     Args:
       x: [..., V] float scores, V < 2^24 (the indices are reduced as float32).
@@ -180,6 +181,17 @@ def check_sampling(temperature, top_k, top_p) -> None:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
 
 
+def _per_row_keys(rng: Array, batch: int) -> bool:
+    """True for [B] keys (typed) or [B, 2] raw keys, False for one key; else ValueError."""
+    typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    ndim = rng.ndim if typed else rng.ndim - 1
+    if ndim == 0:
+        return False
+    if ndim == 1 and rng.shape[0] == batch:
+        return True
+    raise ValueError(f"rng must be one PRNG key or one per row ({batch}), got shape {rng.shape}")
+
+
 def sample(
     tokens_to_logits: TokensToLogits,
     state: PyTree,
@@ -202,6 +214,8 @@ def sample(
       first_ids: [B] the first token fed.
       max_len: static number of tokens to generate at most.
       rng: PRNG key; step t uses fold_in(rng, t), so a seed fixes the output.
+        Or [B] keys, one per row: then a row's tokens depend only on its own
+        key and inputs, not on the other rows of the batch.
       temperature: logits are divided by it (> 0).
       top_k: sample among the k most likely tokens (0: off).
       top_p: sample within the nucleus of mass top_p (1.0: off).
@@ -215,9 +229,15 @@ def sample(
     """
     check_sampling(temperature, top_k, top_p)
 
+    per_row = _per_row_keys(rng, first_ids.shape[0])
+    draw = lambda key, step, logits: jax.random.categorical(jax.random.fold_in(key, step), logits,
+                                                            axis=-1)
+
     def select(logits, step):
         filtered = filter_logits(logits / temperature, top_k, top_p)
-        return jax.random.categorical(jax.random.fold_in(rng, step), filtered, axis=-1)
+        if per_row:
+            return jax.vmap(draw, in_axes=(0, None, 0))(rng, step, filtered)
+        return draw(rng, step, filtered)
 
     return _token_loop(tokens_to_logits, state, first_ids, max_len, select, eos_id, pad_id,
                        max_lens)

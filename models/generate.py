@@ -1,4 +1,9 @@
-"""Model-level decoding: `translate` (EncoderDecoder) and `generate` (DecoderOnly).
+"""Model-level decoding for the two families that generate.
+
+    search    EncoderDecoder                     DecoderOnly
+    greedy    translate_greedy                   generate(greedy=True)
+    beam      translate / translate_beams        generate_beams
+    sample    translate_sample                   generate(rng=...)
 
 Each wrapper builds a step function `tokens_to_logits(ids [B, 1], state)` for
 models/decoding.py and jits the whole search (model and search settings are
@@ -185,6 +190,46 @@ def translate_greedy(model: EncoderDecoder, params, inputs: Array, *, max_extra:
                                   max_lens=_source_limits(model, inputs, max_extra))
 
 
+def translate_sample(model: EncoderDecoder, params, inputs: Array, rng: Array, *,
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     max_extra: int = 50, eos_id: int = 1, use_cache: bool = True) -> Array:
+    """Sampled translations (temperature, top-k, nucleus) over `decoding.sample`.
+
+    One compilation serves every temperature / top_k / top_p (they are traced).
+
+    Args:
+      model: an EncoderDecoder.
+      params: its parameters.
+      inputs: [B, S] source ids, PAD after each sentence.
+      rng: one PRNG key, or [B] keys (one per row: a row's sample then does not
+        depend on the other rows of the batch).
+      temperature: sampling temperature (> 0).
+      top_k: sample among the k most likely tokens (0: off).
+      top_p: nucleus mass (1.0: off).
+      max_extra: at most source length + max_extra target tokens.
+      eos_id: end of sequence (-1: never stop early).
+      use_cache: KV-cached steps, or full recomputation.
+
+    Returns:
+      [B, S + max_extra] sampled token ids, PAD after EOS.
+    """
+    _check_model(model, EncoderDecoder)
+    decoding.check_sampling(temperature, top_k, top_p)
+    sampling = (rng, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+    return _translate_sample(model, params, inputs, sampling, max_extra=max_extra, eos_id=eos_id,
+                             use_cache=use_cache)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("max_extra", "eos_id", "use_cache"))
+def _translate_sample(model, params, inputs, sampling, *, max_extra, eos_id, use_cache):
+    rng, temperature, top_k, top_p = sampling
+    max_len = inputs.shape[1] + max_extra
+    step, state, first = prepare_translation(model, params, inputs, max_len, use_cache=use_cache)
+    return decoding.sample(step, state, first, max_len, rng, temperature=temperature, top_k=top_k,
+                           top_p=top_p, eos_id=eos_id, pad_id=model.config.pad_id,
+                           max_lens=_source_limits(model, inputs, max_extra))
+
+
 # --------------------------------------------------------------------------------- DecoderOnly
 
 
@@ -292,7 +337,7 @@ def generate(model: DecoderOnly, params, prompts: Array, *, max_new_tokens: int,
       temperature: sampling temperature (> 0).
       top_k: sample among the k most likely tokens (0: off).
       top_p: nucleus mass (1.0: off).
-      rng: PRNG key, required unless greedy.
+      rng: PRNG key, or [B] keys (one per row), required unless greedy.
       eos_id: end of sequence (-1: never stop early).
       prompt_lengths: optional [B] prompt lengths (default: non-PAD count).
       use_cache: KV-cached steps, or full recomputation.
@@ -324,3 +369,47 @@ def _generate(model, params, prompts, prompt_lengths, sampling, *, max_new_token
     rng, temperature, top_k, top_p = sampling
     return decoding.sample(step, state, first, max_new_tokens, rng, temperature=temperature,
                            top_k=top_k, top_p=top_p, **kw)
+
+
+# Generation state leaves that every beam of a prompt shares: its slot validity
+# and positions (all beams of a row advance together).
+_PER_PROMPT_KEYS = frozenset({"slot_valid", "positions", "position"})
+
+
+def per_prompt_leaf(path: tuple) -> bool:
+    """True for generation state leaves that are the same for every beam of a row."""
+    return len(path) == 1 and getattr(path[0], "key", None) in _PER_PROMPT_KEYS
+
+
+@functools.partial(jax.jit, static_argnums=0,
+                   static_argnames=("max_new_tokens", "beam_size", "alpha", "eos_id", "use_cache"))
+def generate_beams(model: DecoderOnly, params, prompts: Array, *, max_new_tokens: int,
+                   beam_size: int = 4, alpha: float = 0.6, eos_id: int = 1,
+                   prompt_lengths: Array | None = None,
+                   use_cache: bool = True) -> tuple[Array, Array]:
+    """Beam search continuations of each prompt, all beams (`decoding.beam_search`).
+
+    The search runs on `prepare_generation`'s state (the prompt prefilled once,
+    then tiled per beam); a hypothesis's length |Y| in the GNMT penalty counts
+    only the new tokens (EOS included).
+
+    Args:
+      model: a DecoderOnly.
+      params: its parameters.
+      prompts: [B, P] ids, PAD after each prompt (empty prompts allowed).
+      max_new_tokens: tokens to generate at most.
+      beam_size: beams per prompt.
+      alpha: GNMT length penalty exponent (>= 0).
+      eos_id: end of sequence (-1: never stop early).
+      prompt_lengths: optional [B] prompt lengths (default: non-PAD count).
+      use_cache: KV-cached steps, or full recomputation.
+
+    Returns:
+      sequences [B, beam_size, max_new_tokens] (best first, PAD after EOS) and
+      scores [B, beam_size] (log P / lp; decoding.NEG_INF for empty slots).
+    """
+    step, state, first = prepare_generation(model, params, prompts, max_new_tokens,
+                                            prompt_lengths=prompt_lengths, use_cache=use_cache)
+    return decoding.beam_search(step, state, first, max_new_tokens, beam_size=beam_size,
+                                alpha=alpha, eos_id=eos_id, pad_id=model.config.pad_id,
+                                per_source=per_prompt_leaf)

@@ -1,47 +1,107 @@
-"""python -m transformer_zoo.train.decode: restore a run's parameters, decode, score.
+r"""python -m transformer_zoo.train.decode: restore a run's parameters, decode, score.
 
     python -m transformer_zoo.train.decode --workdir DIR [--step N] --input FILE|- [--output FILE]
-        [--beam_size 4 --alpha 0.6 | --temperature T --top_k K --top_p P]
-        [--reference FILE]
+        [--search greedy|beam|sample]
+        [--beam_size 4 --alpha 0.6 --n_best K]
+        [--temperature T --top_k K --top_p P --seed S --num_samples N]
+        [--max_extra 50 (encoder-decoder) | --max_new_tokens 100 (decoder-only)]
+        [--batch_size 64] [--reference FILE]
 
-Encoder-decoder runs translate each input line (beam search; --beam_size 1 is
-greedy); decoder-only runs continue each line as a prompt (greedy unless
---temperature > 0). With --reference, prints exact match, sacreBLEU and chrF.
-Errors (no checkpoint, unknown step, input too long) exit with code 1 and
-write nothing.
+Encoder-decoder runs translate each input line, decoder-only runs continue it
+as a prompt; both families take every search (predict.decode_options). Without
+--search, a sampling option (--temperature > 0, --top_k, --top_p,
+--num_samples) means sampling, a beam option (--beam_size, --alpha, --n_best)
+beam search, --temperature 0 or --beam_size 1 alone greedy; with none of them
+encoder-decoder runs use beam search (beam 4, alpha 0.6) and decoder-only runs
+greedy. An option that the search or the run's family cannot honour (say
+--temperature with --search beam, --n_best above --beam_size, --seed without
+sampling, --max_new_tokens on an encoder-decoder run) is an error.
+
+Output: one line per input. With --n_best K > 1, K lines per input (fewer if
+the search finished fewer), best first: INDEX TAB RANK TAB SCORE TAB TEXT, where
+INDEX is the input's 0-based line, RANK 1 is the best and SCORE is
+log P / ((5 + |Y|) / 6)^alpha. With --num_samples N > 1, N lines per input:
+INDEX TAB SAMPLE TAB TEXT (SAMPLE from 1). In these two formats, backslash, tab
+and newline in TEXT are written as \\, \t and \n. Sample j of input line i
+depends only on --seed, i and j (not on --batch_size).
+
+With --reference (one output per input), prints exact match, sacreBLEU and chrF
+on stderr. Errors (bad or conflicting flags, no checkpoint, unknown step, input
+too long) exit with code 1, print one line on stderr and write nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+from absl import flags
 
 from transformer_zoo.train.parallel import kernels_for
-from transformer_zoo.train.predict import load_run, score
+from transformer_zoo.train.predict import DecodeOptions, Search, decode_options, load_run, score
+
+PROG = "python -m transformer_zoo.train.decode"
+_SEARCH_FLAGS = ("beam_size", "alpha", "n_best", "temperature", "top_k", "top_p", "seed",
+                 "num_samples")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m transformer_zoo.train.decode",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--workdir", required=True, help="run directory with checkpoints/")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--input", required=True, help="one sentence or prompt per line; - = stdin")
-    p.add_argument("--output", default=None, help="output file (default: stdout)")
-    p.add_argument("--reference", default=None, help="references, one per line")
-    p.add_argument("--beam_size", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=0.6)
-    p.add_argument("--max_extra", type=int, default=50, help="max output = input length + this")
-    p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--max_new_tokens", type=int, default=100, help="decoder-only")
-    p.add_argument("--temperature", type=float, default=0.0, help="decoder-only; 0 = greedy")
-    p.add_argument("--top_k", type=int, default=0)
-    p.add_argument("--top_p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    return p
+def define_flags(fv: flags.FlagValues) -> None:
+    """Declares the decode flags on `fv` (None = not given: see predict.decode_options)."""
+    kw = {"flag_values": fv}
+    flags.DEFINE_string("workdir", None, "Run directory with checkpoints/.", **kw)
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).", **kw)
+    flags.DEFINE_string("input", None, "One sentence or prompt per line; - = stdin.", **kw)
+    flags.DEFINE_string("output", None, "Output file (default: stdout).", **kw)
+    flags.DEFINE_string("reference", None, "References, one per line: prints exact match, "
+                        "sacreBLEU and chrF on stderr.", **kw)
+    flags.DEFINE_enum("search", None, [s.value for s in Search], "Search (default: from the "
+                      "options given, else beam for encoder-decoder, greedy for decoder-only).",
+                      **kw)
+    flags.DEFINE_integer("beam_size", None, "Beam search: beams per input (default 4).", **kw)
+    flags.DEFINE_float("alpha", None, "Beam search: length penalty exponent (default 0.6).", **kw)
+    flags.DEFINE_integer("n_best", None, "Beam search: write the K best beams per input "
+                         "(default 1, at most --beam_size).", **kw)
+    flags.DEFINE_float("temperature", None, "Sampling temperature (default 1; 0 = greedy).", **kw)
+    flags.DEFINE_integer("top_k", None, "Sampling among the k most likely tokens (0 = all).", **kw)
+    flags.DEFINE_float("top_p", None, "Sampling within the nucleus of this mass (1 = all).", **kw)
+    flags.DEFINE_integer("seed", None, "Sampling seed (default 0).", **kw)
+    flags.DEFINE_integer("num_samples", None, "Sampling: samples per input (default 1).", **kw)
+    flags.DEFINE_integer("max_extra", None, "Encoder-decoder: output <= input length + this "
+                         "(default 50).", **kw)
+    flags.DEFINE_integer("max_new_tokens", None, "Decoder-only: tokens to generate (default "
+                         "100).", **kw)
+    flags.DEFINE_integer("batch_size", 64, "Inputs decoded together.", lower_bound=1, **kw)
+    flags.mark_flags_as_required(["workdir", "input"], flag_values=fv)
+
+
+def parse_flags(prog: str, doc: str, define: Callable[[flags.FlagValues], None],
+                argv: Sequence[str]) -> flags.FlagValues | None:
+    """Parses `argv` (without the program name) into fresh absl FlagValues.
+
+    Returns:
+      the parsed flags, or None after printing the help for --help / -h.
+
+    Raises:
+      flags.Error: unknown flag, bad value, missing required flag or a
+        positional argument.
+    """
+    fv = flags.FlagValues()
+    define(fv)
+    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
+        print(f"{doc.strip()}\n\nFlags:\n{fv.get_help()}")
+        return None
+    rest = fv([prog, *argv])
+    if len(rest) > 1:
+        raise flags.Error(f"unexpected positional arguments {rest[1:]} (flags are --name=value)")
+    return fv
+
+
+def one_line(err: Exception) -> str:
+    """`err`'s message on one line, for `error: ...` on stderr."""
+    return " ".join(str(err).split())
 
 
 def _read_lines(path: str) -> list[str]:
@@ -53,40 +113,60 @@ def _read_lines(path: str) -> list[str]:
     return p.read_text(encoding="utf-8").splitlines()
 
 
-def run(args) -> list[str]:
-    lines = _read_lines(args.input)
-    references = _read_lines(args.reference) if args.reference else None
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+
+
+def format_outputs(found, options: DecodeOptions) -> str:
+    """The output file's text (see the module docstring for the formats)."""
+    if options.per_input == 1:
+        return "".join(hyps[0].text + "\n" for hyps in found)
+    lines = []
+    for i, hyps in enumerate(found):
+        for j, h in enumerate(hyps, start=1):
+            middle = f"{j}\t{h.score:.4f}" if options.search == Search.BEAM else f"{j}"
+            lines.append(f"{i}\t{middle}\t{_escape(h.text)}\n")
+    return "".join(lines)
+
+
+def run(fv: flags.FlagValues) -> list[str]:
+    """Decodes --input as the flags say; returns the lines written."""
+    given = {name: fv[name].value for name in _SEARCH_FLAGS}
+    if fv.reference and ((given["n_best"] or 1) > 1 or (given["num_samples"] or 1) > 1):
+        raise ValueError("--reference scores one output per input; it does not combine with "
+                         f"--n_best={given['n_best']} or --num_samples={given['num_samples']}")
+    lines = _read_lines(fv.input)
+    references = _read_lines(fv.reference) if fv.reference else None
     if references is not None and len(references) != len(lines):
         raise ValueError(f"--reference has {len(references)} lines, --input has {len(lines)}")
     # The XLA:CPU layer where jax computes on CPUs (the same values, faster there).
-    loaded = load_run(args.workdir, args.step, kernels=kernels_for(jax.devices()))
-    if loaded.family == "encoder_decoder":
-        outputs = loaded.translate(lines, beam_size=args.beam_size, alpha=args.alpha,
-                                   max_extra=args.max_extra, batch_size=args.batch_size)
-    else:
-        outputs = loaded.generate(lines, max_new_tokens=args.max_new_tokens,
-                                  temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, seed=args.seed)
-    text = "".join(o + "\n" for o in outputs)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+    loaded = load_run(fv.workdir, fv.step, kernels=kernels_for(jax.devices()))
+    options = decode_options(loaded.family, search=fv.search, **given)
+    found = loaded.hypotheses(lines, options, max_extra=fv.max_extra,
+                              max_new_tokens=fv.max_new_tokens, batch_size=fv.batch_size)
+    text = format_outputs(found, options)
+    if fv.output:
+        Path(fv.output).write_text(text, encoding="utf-8")
     else:
         sys.stdout.write(text)
     if references is not None:
+        outputs = [hyps[0].text for hyps in found]
         scores = score(outputs, references)
         print(f"step {loaded.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in scores.items())
               + f"  ({len(lines)} lines)", file=sys.stderr)
-    return outputs
+    return text.splitlines()
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command: `argv` without the program name (default sys.argv[1:]); returns the code."""
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's read-only notices
-    args = _parser().parse_args(argv)
     try:
-        run(args)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        fv = parse_flags(PROG, __doc__, define_flags, sys.argv[1:] if argv is None else argv)
+        if fv is not None:
+            run(fv)
+    except (flags.Error, OSError, ValueError) as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
     return 0
 

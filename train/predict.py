@@ -1,19 +1,23 @@
 """Text in, text out: decode held-out examples and score them.
 
-Used by the training loop (periodic and final metrics) and by
-`python -m transformer_zoo.train.decode`.
-Encoder-decoder runs translate with beam search (or greedy with beam_size 1);
-the metric is exact match for the synthetic task and sacreBLEU + chrF for
-translation.
+Used by the training loop (periodic and final metrics), by `load_run(...)` and
+by `python -m transformer_zoo.train.decode`. One decoding interface serves both
+families that generate: `decode_options` turns the options given (search,
+beam_size, alpha, n_best, temperature, top_k, top_p, seed, num_samples) into a
+validated `DecodeOptions` (greedy, beam search or sampling), refusing what the
+search cannot honour; `translate_hypotheses` (encoder-decoder) and
+`generate_hypotheses` (decoder-only) decode with it. The training metric is
+exact match for the synthetic task and sacreBLEU + chrF for translation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -22,6 +26,7 @@ from flax.core import meta
 
 from transformer_zoo.data import EOS_ID, PAD_ID, load_tokenizer, normalize_text
 from transformer_zoo.models import Kernels, ModelConfig, generate
+from transformer_zoo.models.decoding import NEG_INF, check_sampling
 from transformer_zoo.train.checkpoint import Checkpointer
 from transformer_zoo.train.tasks import build_model, dummy_batch
 
@@ -48,25 +53,239 @@ def encode_batch(tokenizer, texts: Sequence[str], max_length: int | None) -> np.
     return out
 
 
+# ------------------------------------------------------------------------ one decoding interface
+
+
+class Search(enum.StrEnum):
+    """How outputs are searched for; every family that generates supports all three."""
+
+    GREEDY = "greedy"  # argmax at every step
+    BEAM = "beam"  # beam search with the GNMT length penalty; n-best lists
+    SAMPLE = "sample"  # ancestral sampling with temperature, top-k, top-p; several samples
+
+
+GENERATING_FAMILIES = ("encoder_decoder", "decoder_only")
+
+# The options each search uses (their defaults are DecodeOptions').
+_BEAM_OPTIONS = ("beam_size", "alpha", "n_best")
+_SAMPLE_OPTIONS = ("temperature", "top_k", "top_p", "seed", "num_samples")
+_OPTIONS = {Search.GREEDY: (), Search.BEAM: _BEAM_OPTIONS, Search.SAMPLE: _SAMPLE_OPTIONS}
+# Values that change nothing where the option has no role (temperature 0 = greedy).
+_NEUTRAL = {"beam_size": 1, "n_best": 1, "num_samples": 1}
+_INTS = ("beam_size", "n_best", "top_k", "seed", "num_samples")
+
+
+class Hypothesis(NamedTuple):
+    """One output for an input."""
+
+    text: str
+    score: float | None  # beam search: log P(Y|X) / lp(|Y|); greedy and samples: None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeOptions:
+    """A search and its settings, validated at construction (ValueError).
+
+    `decode_options` builds one from the options a caller gave, refusing those
+    the search does not use.
+    """
+
+    search: Search
+    beam_size: int = 4
+    alpha: float = 0.6
+    n_best: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    num_samples: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "search", _as_search(self.search))
+        _check_types({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                      if f.name != "search"})
+        _check_values(self)
+
+    @property
+    def per_input(self) -> int:
+        """How many outputs each input gets (up to: n-best lists skip empty beams)."""
+        return {Search.BEAM: self.n_best, Search.SAMPLE: self.num_samples}.get(self.search, 1)
+
+
+def decode_options(family: str, *, search: Search | str | None = None,
+                   beam_size: int | None = None, alpha: float | None = None,
+                   n_best: int | None = None, temperature: float | None = None,
+                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                   num_samples: int | None = None) -> DecodeOptions:
+    """The search for `family` from the options given (None = not given).
+
+    Without `search`: sampling if a sampling option is given (temperature > 0,
+    top_k, top_p, num_samples), beam search if a beam option is (beam_size,
+    alpha, n_best), greedy for temperature 0 or beam_size 1 alone (today's
+    spellings of greedy), else the family's default: beam search (beam 4,
+    alpha 0.6) for encoder_decoder, greedy for decoder_only. `seed` alone asks
+    for nothing (with any search but sampling it is an error).
+
+    Raises:
+      ValueError: an unknown family or search; an option the search does not
+        use (beam_size 1, n_best 1 and num_samples 1 change nothing and pass,
+        temperature 0 passes with greedy); beam and sampling options mixed
+        without `search`; an out-of-range value (e.g. n_best > beam_size).
+    """
+    if family not in GENERATING_FAMILIES:
+        raise ValueError(f"family={family!r} does not generate; decoding needs one of "
+                         f"{list(GENERATING_FAMILIES)}")
+    given = dict(beam_size=beam_size, alpha=alpha, n_best=n_best, temperature=temperature,
+                 top_k=top_k, top_p=top_p, seed=seed, num_samples=num_samples)
+    given = {k: v for k, v in given.items() if v is not None}
+    _check_types(given)
+    search = _infer_search(family, given) if search is None else _as_search(search)
+    for name, value in given.items():
+        neutral = _NEUTRAL.get(name) == value or (name, value, search) == (
+            "temperature", 0, Search.GREEDY)
+        if name not in _OPTIONS[search] and not neutral:
+            kind = "a beam search" if name in _BEAM_OPTIONS else "a sampling"
+            raise ValueError(f"{name}={value!r} does not apply to search={search.value} "
+                             f"({kind} option)")
+    return DecodeOptions(search=search, **{k: v for k, v in given.items() if k in _OPTIONS[search]})
+
+
+def _as_search(search) -> Search:
+    try:
+        return Search(search)
+    except ValueError:
+        raise ValueError(f"search must be one of {[s.value for s in Search]}, got {search!r}") \
+            from None
+
+
+def _check_types(given: dict) -> None:
+    for name, value in given.items():
+        ok = isinstance(value, int) if name in _INTS else isinstance(value, int | float)
+        if not ok or isinstance(value, bool):
+            kind = "an int" if name in _INTS else "a number"
+            raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
+def _infer_search(family: str, given: dict) -> Search:
+    """The search the given options ask for (see `decode_options`)."""
+    asks: dict[Search, str] = {}  # search -> the first option asking for it
+    for name, value in given.items():
+        if (name, value) == ("temperature", 0):
+            asks.setdefault(Search.GREEDY, name)
+        elif name in _SAMPLE_OPTIONS and name != "seed":
+            asks.setdefault(Search.SAMPLE, name)
+        elif name in _BEAM_OPTIONS:
+            asks.setdefault(Search.BEAM, name)
+    if Search.BEAM in asks and given.get("beam_size") == 1 and given.get("n_best", 1) == 1:
+        asks.setdefault(Search.GREEDY, asks.pop(Search.BEAM))
+    if len(asks) > 1:
+        (a, x), (b, y) = list(asks.items())[:2]
+        raise ValueError(f"{x}={given[x]!r} asks for search={a.value} and {y}={given[y]!r} for "
+                         f"search={b.value}; choose one with search=")
+    if asks:
+        return next(iter(asks))
+    return Search.BEAM if family == "encoder_decoder" else Search.GREEDY
+
+
+def _check_values(o: DecodeOptions) -> None:
+    if o.search == Search.BEAM:
+        if o.beam_size < 1:
+            raise ValueError(f"beam_size must be >= 1, got {o.beam_size}")
+        if o.alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {o.alpha}")
+        if not 1 <= o.n_best <= o.beam_size:
+            raise ValueError(f"n_best must be in [1, beam_size={o.beam_size}], got {o.n_best}")
+    if o.search == Search.SAMPLE:
+        check_sampling(o.temperature, o.top_k, o.top_p)
+        if o.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {o.num_samples}")
+
+
 def translate_texts(model, params, tokenizer, texts: Sequence[str], *, beam_size: int = 4,
                     alpha: float = 0.6, max_extra: int = 50, batch_size: int = 64,
                     max_input_length: int | None = None) -> list[str]:
-    """Translates `texts` (in batches) and detokenises the best hypotheses."""
-    outputs: list[str] = []
+    """Translates `texts` (in batches): the best beam, or greedy with beam_size 1."""
+    options = (DecodeOptions(search=Search.GREEDY) if beam_size == 1
+               else DecodeOptions(search=Search.BEAM, beam_size=beam_size, alpha=alpha))
+    found = translate_hypotheses(model, params, tokenizer, texts, options, max_extra=max_extra,
+                                 batch_size=batch_size, max_input_length=max_input_length)
+    return [h[0].text for h in found]
+
+
+def translate_hypotheses(model, params, tokenizer, texts: Sequence[str], options: DecodeOptions,
+                         *, max_extra: int = 50, batch_size: int = 64,
+                         max_input_length: int | None = None) -> list[list[Hypothesis]]:
+    """Translates `texts` in batches of `batch_size` with any search.
+
+    Args:
+      model: an EncoderDecoder.
+      params: its parameters.
+      tokenizer: the run's tokenizer.
+      texts: source sentences.
+      options: the search (see `decode_options`).
+      max_extra: at most input length + max_extra output tokens (a learned
+        position table caps it).
+      batch_size: sentences decoded together; full batches all have
+        batch_size rows, so one compiled program serves them.
+      max_input_length: longest input in tokens with EOS (ValueError beyond).
+
+    Returns:
+      per input, its n-best beams (best first), its samples, or its greedy output.
+    """
+    outputs: list[list[Hypothesis]] = []
     for start in range(0, len(texts), batch_size):
         chunk = list(texts[start:start + batch_size])
         n = len(chunk)
+        # Every full batch has the same number of rows, so one program serves them.
         chunk += [chunk[-1]] * (batch_size - n) if len(texts) > batch_size else []
         ids = encode_batch(tokenizer, chunk, max_input_length)
         extra = _extra_room(model.config, ids.shape[1], max_extra)
-        if beam_size == 1:
-            out = generate.translate_greedy(model, params, ids, max_extra=extra, eos_id=EOS_ID)
-        else:
-            out = generate.translate(model, params, ids, beam_size=beam_size, alpha=alpha,
-                                     max_extra=extra, eos_id=EOS_ID)
-        out = np.asarray(out)
-        outputs += [tokenizer.decode(row.tolist()) for row in out[:n]]
+        found = _translate_ids(model, params, ids, options, extra, start)
+        outputs += [[Hypothesis(tokenizer.decode(r), sc) for r, sc in row] for row in found[:n]]
     return outputs
+
+
+def _translate_ids(model, params, ids, options: DecodeOptions, extra: int, first_index: int):
+    """Per row of ids [B, S]: [(token ids, score or None), ...] by options.search."""
+    if options.search == Search.GREEDY:
+        out = generate.translate_greedy(model, params, ids, max_extra=extra, eos_id=EOS_ID)
+        return [[(row, None)] for row in np.asarray(out).tolist()]
+    if options.search == Search.BEAM:
+        seqs, scores = generate.translate_beams(model, params, ids, beam_size=options.beam_size,
+                                                alpha=options.alpha, max_extra=extra,
+                                                eos_id=EOS_ID)
+        return _n_best(seqs, scores, options.n_best)
+    copies = options.num_samples
+    keys = _sample_keys(options.seed, first_index, ids.shape[0], copies)
+    out = generate.translate_sample(model, params, np.repeat(ids, copies, axis=0), keys,
+                                    temperature=options.temperature, top_k=options.top_k,
+                                    top_p=options.top_p, max_extra=extra, eos_id=EOS_ID)
+    out = np.asarray(out).reshape(ids.shape[0], copies, -1).tolist()
+    return [[(r, None) for r in row] for row in out]
+
+
+def _n_best(seqs, scores, n_best: int) -> list[list[tuple[list[int], float]]]:
+    """The first n_best beams [B, K, L] / [B, K] per row, without empty slots."""
+    seqs, scores = np.asarray(seqs)[:, :n_best].tolist(), np.asarray(scores)[:, :n_best].tolist()
+    return [[(s, sc) for s, sc in zip(row, row_scores, strict=True) if sc > NEG_INF / 2]
+            for row, row_scores in zip(seqs, scores, strict=True)]
+
+
+def _sample_keys(seed: int, first_index: int, n_inputs: int, copies: int) -> jax.Array:
+    """[n_inputs * copies] keys: sample j of input i draws from key(seed) / i / j.
+
+    An input's samples then depend on its index in the whole input, not on the
+    batch it is decoded in or on the other inputs.
+    """
+    index = np.repeat(np.arange(first_index, first_index + n_inputs), copies)
+    sample = np.tile(np.arange(copies), n_inputs)
+    return _fold_keys(jax.random.key(seed), index, sample)
+
+
+@jax.jit
+def _fold_keys(base, index, sample):
+    fold = lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j)
+    return jax.vmap(fold)(index, sample)
 
 
 def position_limit(model_config) -> int | None:
@@ -77,18 +296,81 @@ def position_limit(model_config) -> int | None:
 def generate_texts(model, params, tokenizer, prompts: Sequence[str], *,
                    max_new_tokens: int = 100, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, seed: int = 0) -> list[str]:
-    """Continuations of `prompts` by a DecoderOnly model (temperature 0 = greedy).
+    """Continuations of `prompts` by a DecoderOnly model (temperature 0 = greedy)."""
+    options = (DecodeOptions(search=Search.GREEDY) if temperature == 0 else
+               DecodeOptions(search=Search.SAMPLE, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed))
+    found = generate_hypotheses(model, params, tokenizer, prompts, options,
+                                max_new_tokens=max_new_tokens, batch_size=max(len(prompts), 1))
+    return [h[0].text for h in found]
+
+
+def generate_hypotheses(model, params, tokenizer, prompts: Sequence[str], options: DecodeOptions,
+                        *, max_new_tokens: int = 100,
+                        batch_size: int = 64) -> list[list[Hypothesis]]:
+    """Continues `prompts` in batches of `batch_size` with any search.
 
     A model with a learned position table of max_length L cannot attend beyond
-    L tokens, so longer outputs are generated in chunks of L/4 tokens, each
-    conditioned on the last 3L/4 tokens so far (a sliding window, as char-LM
-    samplers crop their context); other position schemes generate in one go.
+    L tokens, so longer greedy or sampled outputs are generated in chunks (see
+    `_continue`); beam search needs prompt + max_new_tokens <= L.
+
+    Args:
+      model: a DecoderOnly.
+      params: its parameters.
+      tokenizer: the run's tokenizer.
+      prompts: texts to continue (an empty one starts from BOS).
+      options: the search (see `decode_options`).
+      max_new_tokens: tokens to generate per prompt.
+      batch_size: prompts decoded together.
+
+    Raises:
+      ValueError: beam search beyond the learned position table.
+
+    Returns:
+      per prompt, its n-best beams (best first), its samples, or its greedy output.
     """
-    rows = [list(tokenizer.encode(p)) or [PAD_ID] for p in prompts]
+    outputs: list[list[Hypothesis]] = []
+    for start in range(0, len(prompts), batch_size):
+        rows = [list(tokenizer.encode(p)) or [PAD_ID] for p in prompts[start:start + batch_size]]
+        if options.search == Search.BEAM:
+            found = _beam_continue(model, params, rows, max_new_tokens, options)
+        else:
+            copies = options.num_samples if options.search == Search.SAMPLE else 1
+            keys = (None if options.search == Search.GREEDY
+                    else _sample_keys(options.seed, start, len(rows), copies))
+            new = _continue(model, params, [r for r in rows for _ in range(copies)],
+                            max_new_tokens, options, keys)
+            found = [[(ids, None) for ids in new[i * copies:(i + 1) * copies]]
+                     for i in range(len(rows))]
+        outputs += [[Hypothesis(tokenizer.decode(r), sc) for r, sc in row] for row in found]
+    return outputs
+
+
+def _beam_continue(model, params, rows, max_new_tokens: int, options: DecodeOptions):
+    """Beam search continuations of token rows: per row [(ids, score), ...]."""
+    limit = position_limit(model.config)
+    longest = max(len(r) for r in rows)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"beam search needs prompt + max_new_tokens <= max_length={limit} (the "
+                         f"learned position table), got {longest} + {max_new_tokens}")
+    ids, lengths = _pad_rows(rows, 0)
+    seqs, scores = generate.generate_beams(model, params, ids, max_new_tokens=max_new_tokens,
+                                           beam_size=options.beam_size, alpha=options.alpha,
+                                           eos_id=EOS_ID, prompt_lengths=lengths)
+    return _n_best(seqs, scores, options.n_best)
+
+
+def _continue(model, params, rows, max_new_tokens: int, options: DecodeOptions, keys):
+    """Greedy or sampled continuations of token rows: max_new_tokens ids each, cut after EOS.
+
+    Beyond a learned position table of max_length L, outputs are generated in
+    chunks of L/4 tokens, each conditioned on the last 3L/4 tokens so far (a
+    sliding window, as char-LM samplers crop their context); other position
+    schemes generate in one go.
+    """
     limit = position_limit(model.config)
     if limit is None or max(len(r) for r in rows) + max_new_tokens <= limit:
-        new = _generate_ids(model, params, rows, max_new_tokens, temperature, top_k, top_p, seed)
-        return [tokenizer.decode(r) for r in new]
+        return _generate_ids(model, params, rows, max_new_tokens, options, keys)
     if limit < 4:
         raise ValueError(f"max_length={limit} is too short for windowed generation")
     chunk, context = limit // 4, limit - limit // 4
@@ -99,28 +381,39 @@ def generate_texts(model, params, tokenizer, prompts: Sequence[str], *,
         n = min(chunk, max_new_tokens - i)
         # Every chunk has the same shapes (windows padded to `context`, `chunk` new
         # ids, the surplus dropped), so one compiled program serves them all.
-        new = _generate_ids(model, params, windows, chunk, temperature, top_k, top_p, seed + i,
-                            width=context)
+        chunk_keys = None if keys is None else _fold_chunk(keys, i)
+        new = _generate_ids(model, params, windows, chunk, options, chunk_keys, width=context)
         for j, ids in enumerate(new):
             if not done[j]:
                 outputs[j] += ids[:n]
                 done[j] = EOS_ID in ids[:n]
         if all(done):
             break
-    return [tokenizer.decode(o) for o in outputs]
+    return outputs
 
 
-def _generate_ids(model, params, rows, n, temperature, top_k, top_p, seed,
-                  width: int = 0) -> list[list[int]]:
-    """n new ids per row (cut after EOS); prompts padded to at least `width` columns."""
-    ids = np.zeros((len(rows), max(width, *(len(r) for r in rows))), np.int32)
+@jax.jit
+def _fold_chunk(keys, offset):
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, offset)
+
+
+def _pad_rows(rows, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows right-padded to at least `width` columns [B, P], and their lengths [B]."""
+    ids = np.full((len(rows), max(width, *(len(r) for r in rows))), PAD_ID, np.int32)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
+    return ids, np.array([len(r) for r in rows], np.int32)
+
+
+def _generate_ids(model, params, rows, n, options: DecodeOptions, keys,
+                  width: int = 0) -> list[list[int]]:
+    """n new ids per row (cut after EOS); prompts padded to at least `width` columns."""
+    ids, lengths = _pad_rows(rows, width)
+    greedy = options.search == Search.GREEDY
     out = generate.generate(
-        model, params, ids, max_new_tokens=n, greedy=temperature == 0,
-        temperature=max(temperature, 1e-6), top_k=top_k, top_p=top_p,
-        rng=jax.random.key(seed), eos_id=EOS_ID,
-        prompt_lengths=np.array([len(r) for r in rows], np.int32))
+        model, params, ids, max_new_tokens=n, greedy=greedy, temperature=options.temperature,
+        top_k=options.top_k, top_p=options.top_p, rng=None if greedy else keys, eos_id=EOS_ID,
+        prompt_lengths=lengths)
     result = []
     for row in np.asarray(out).tolist():
         result.append(row[: row.index(EOS_ID) + 1] if EOS_ID in row else row)
@@ -192,8 +485,10 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, flo
 class LoadedRun:
     """A trained run restored for inference: model, params and tokenizer.
 
-    Use `load_run(workdir)`, then `translate(texts)` (encoder-decoder) or
-    `generate(prompts)` (decoder-only).
+    Use `load_run(workdir)`, then `translate(texts)` (encoder-decoder),
+    `generate(prompts)` (decoder-only) or `decode(texts)` (either). All three
+    take the same search options (see `decode_options`): search, beam_size,
+    alpha, n_best, temperature, top_k, top_p, seed, num_samples.
     """
 
     family: str
@@ -203,25 +498,78 @@ class LoadedRun:
     step: int
     run_config: dict
 
-    def translate(self, texts: Sequence[str], *, beam_size: int = 4, alpha: float = 0.6,
-                  max_extra: int = 50, batch_size: int = 64) -> list[str]:
-        if self.family != "encoder_decoder":
-            raise ValueError(f"translate needs an encoder_decoder run, this one is {self.family}")
-        return translate_texts(self.model, self.params, self.tokenizer, texts,
-                               beam_size=beam_size, alpha=alpha, max_extra=max_extra,
-                               batch_size=batch_size,
-                               max_input_length=position_limit(self.model.config))
+    def translate(self, texts: Sequence[str], *, max_extra: int = 50, batch_size: int = 64,
+                  **options) -> list[str] | list[list[Hypothesis]]:
+        """Translations of `texts` (default: beam search, beam 4, alpha 0.6); see `decode`."""
+        self._check_family("translate", "encoder_decoder")
+        return self.decode(texts, max_extra=max_extra, batch_size=batch_size, **options)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int = 100,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0) -> list[str]:
-        """Continuations of `prompts` (temperature 0 = greedy); see generate_texts."""
-        if self.family != "decoder_only":
-            raise ValueError(f"generate needs a decoder_only run, this one is {self.family}")
-        return generate_texts(self.model, self.params, self.tokenizer, prompts,
-                              max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_k=top_k, top_p=top_p, seed=seed)
+                 batch_size: int = 64, **options) -> list[str] | list[list[Hypothesis]]:
+        """Continuations of `prompts` (default: greedy); see `decode`."""
+        self._check_family("generate", "decoder_only")
+        return self.decode(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           **options)
 
+    def decode(self, texts: Sequence[str], *, max_extra: int | None = None,
+               max_new_tokens: int | None = None, batch_size: int = 64,
+               **options) -> list[str] | list[list[Hypothesis]]:
+        """Decodes `texts` with the search that `decode_options(family, **options)` picks.
+
+        Args:
+          texts: sources (encoder_decoder) or prompts (decoder_only).
+          max_extra: encoder_decoder only: at most input length + max_extra
+            tokens (default 50).
+          max_new_tokens: decoder_only only: tokens to generate (default 100).
+          batch_size: inputs decoded together.
+          **options: search, beam_size, alpha, n_best, temperature, top_k,
+            top_p, seed, num_samples (see `decode_options`).
+
+        Returns:
+          one text per input, or, with n_best or num_samples > 1, per input its
+          list of Hypothesis (n-best: best first, with scores).
+
+        Raises:
+          ValueError: options the search or the family cannot honour, or an
+            input longer than the model allows.
+        """
+        chosen = decode_options(self.family, **options)
+        found = self.hypotheses(texts, chosen, max_extra=max_extra,
+                                max_new_tokens=max_new_tokens, batch_size=batch_size)
+        return [h[0].text for h in found] if chosen.per_input == 1 else found
+
+    def hypotheses(self, texts: Sequence[str], options: DecodeOptions, *,
+                   max_extra: int | None = None, max_new_tokens: int | None = None,
+                   batch_size: int = 64) -> list[list[Hypothesis]]:
+        """Per input, its list of Hypothesis under `options` (args as in `decode`)."""
+        _positive("batch_size", batch_size)
+        if self.family not in GENERATING_FAMILIES:
+            raise ValueError(f"a {self.family} run does not generate")
+        if self.family == "encoder_decoder":
+            _check_unused("max_new_tokens", max_new_tokens, self.family, "max_extra")
+            extra = 50 if max_extra is None else _positive("max_extra", max_extra)
+            return translate_hypotheses(self.model, self.params, self.tokenizer, texts, options,
+                                        max_extra=extra, batch_size=batch_size,
+                                        max_input_length=position_limit(self.model.config))
+        _check_unused("max_extra", max_extra, self.family, "max_new_tokens")
+        new = 100 if max_new_tokens is None else _positive("max_new_tokens", max_new_tokens)
+        return generate_hypotheses(self.model, self.params, self.tokenizer, texts, options,
+                                   max_new_tokens=new, batch_size=batch_size)
+
+    def _check_family(self, method: str, family: str) -> None:
+        if self.family != family:
+            raise ValueError(f"{method} needs a {family} run, this one is {self.family}")
+
+
+def _check_unused(name: str, value, family: str, instead: str) -> None:
+    if value is not None:
+        raise ValueError(f"{name}={value!r} does not apply to {family} runs (use {instead})")
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def load_run(workdir, step: int | None = None, *,

@@ -384,6 +384,28 @@ def test_sampling_limits_seeding_and_variation():
     assert not np.array_equal(first, greedy)
 
 
+def test_translation_sampling_top1_seeding_and_per_row_keys():
+    """translate_sample over decoding.sample: top_k=1 is greedy, a key fixes the
+    sample, another key changes it, and with one key per row a row's sample does
+    not depend on the rest of the batch."""
+    model, params = _encdec(position_encoding="rope", num_kv_heads=2)
+    greedy, _ = _greedy_and_reference_encdec(model, params)
+    draw = _fast_jit(lambda p, src, keys, temperature, top_k: gen.translate_sample(
+        model, p, src, keys, temperature=temperature, top_k=top_k, max_extra=4, eos_id=-1))
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    other = jax.random.split(jax.random.PRNGKey(1), 2)
+    np.testing.assert_array_equal(draw(params, SOURCES, keys, 1.0, 1), greedy)
+    first = draw(params, SOURCES, keys, 1.0, 0)
+    np.testing.assert_array_equal(draw(params, SOURCES, keys, 1.0, 0), first)
+    assert not np.array_equal(draw(params, SOURCES, other, 1.0, 0), first)
+    assert not np.array_equal(first, greedy)
+    np.testing.assert_array_equal(draw(params, SOURCES[1:], keys[1:], 1.0, 0), first[1:])
+    with pytest.raises(ValueError, match="temperature"):
+        gen.translate_sample(model, params, SOURCES, keys, temperature=0.0)
+    with pytest.raises(ValueError, match=r"one per row \(2\)"):
+        gen.translate_sample(model, params, SOURCES, jax.random.split(keys[0], 3))
+
+
 def test_bad_arguments_raise_value_errors():
     step, state, first = _scripted(8, [2])
     with pytest.raises(ValueError, match="alpha"):

@@ -87,18 +87,160 @@ def test_decode_errors_exit_1_and_write_nothing(full_run, tmp_path):
     out = tmp_path / "never.txt"
     long_input = tmp_path / "long.txt"
     long_input.write_text("1" * 40 + "\n")
+    src = f"--input={full_run / 'heldout.src'}"
     cases = [
-        ([f"--workdir={tmp_path / 'empty'}", f"--input={full_run / 'heldout.src'}"], "no checkp"),
-        ([f"--workdir={full_run}", "--step=7", f"--input={full_run / 'heldout.src'}"], "step 7"),
+        ([f"--workdir={tmp_path / 'empty'}", src], "no checkp"),
+        ([f"--workdir={full_run}", "--step=7", src], "step 7"),
         ([f"--workdir={full_run}", f"--input={long_input}"], "41 tokens"),
+        # absl parse errors (no usage text) and options the search cannot honour.
+        ([f"--workdir={full_run}", src, "--beam_size=two"], "--beam_size=two"),
+        ([f"--workdir={full_run}", src, "--search=beam", "--temperature=0.8"],
+         "temperature=0.8 does not apply to search=beam"),
     ]
     for args, message in cases:
         proc = subprocess.run([sys.executable, "-m", "transformer_zoo.train.decode", *args,
                                f"--output={out}"],
                               cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 1, proc.stderr
-        assert message in proc.stderr
-        assert not out.exists()
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+        assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+        assert not out.exists() and proc.stdout == ""
+
+
+def _decode_cli(capsys, *args) -> tuple[int, str, str]:
+    """`python -m transformer_zoo.train.decode ARGS` in this process: (code, stdout, stderr)."""
+    from transformer_zoo.train import decode
+
+    capsys.readouterr()
+    code = decode.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _cli_run(workdir):
+    """The run as the CLI restores it (the kernels it picks on this machine)."""
+    from transformer_zoo.train.parallel import kernels_for
+
+    return load_run(workdir, kernels=kernels_for(jax.devices()))
+
+
+def test_load_run_translates_with_beams_n_best_and_samples(full_run):
+    """One interface for every search: n-best lists sorted by score whose first
+    entry is the plain beam output; seeded, reproducible samples that differ
+    across seeds and do not depend on the batching; top_k=1 sampling is greedy."""
+    run = load_run(full_run)
+    src = (full_run / "heldout.src").read_text().splitlines()
+    plain = run.translate(src, beam_size=4)
+    n_best = run.translate(src, beam_size=4, n_best=3)
+    assert [hyps[0].text for hyps in n_best] == plain
+    for hyps in n_best:
+        scores = [h.score for h in hyps]
+        assert len(hyps) == 3 and scores == sorted(scores, reverse=True), hyps
+    assert run.translate(src, search="beam", beam_size=4) == plain
+    greedy = run.translate(src, search="greedy")
+    assert greedy == run.translate(src, beam_size=1)  # today's spelling of greedy
+    assert run.translate(src, search="sample", top_k=1, seed=5) == greedy
+    sampled = run.translate(src, temperature=0.7, seed=1)  # was a TypeError
+    assert sampled == run.translate(src, temperature=0.7, seed=1)
+    assert sampled != run.translate(src, temperature=0.7, seed=2) and sampled != greedy
+    # Sample j of input i depends on the seed, i and j only: the first of three
+    # samples is the single sample, whatever the batch size.
+    three = run.translate(src, temperature=0.7, seed=1, num_samples=3, batch_size=5)
+    assert [s[0].text for s in three] == sampled
+    assert all(len(s) == 3 and s[0].score is None for s in three)
+    assert any(len({h.text for h in s}) > 1 for s in three)
+    for options, message in [({"temperature": 0.7, "search": "beam"}, "search=beam"),
+                             ({"beam_size": 2, "n_best": 3}, "n_best must be in"),
+                             ({"beam_size": 4, "top_p": 0.9}, "choose one"),
+                             ({"max_new_tokens": 5}, "encoder_decoder runs")]:
+        with pytest.raises(ValueError, match=message):
+            run.translate(src[:1], **options)
+    with pytest.raises(ValueError, match="needs a decoder_only run"):
+        run.generate(src[:1])
+
+
+def _rows(text: str) -> list[list[str]]:
+    return [line.split("\t") for line in text.splitlines()]
+
+
+def test_decode_cli_writes_n_best_lists_and_samples(full_run, tmp_path, capsys):
+    run = _cli_run(full_run)
+    src_file = full_run / "heldout.src"
+    src = src_file.read_text().splitlines()
+    base = [f"--workdir={full_run}", f"--input={src_file}"]
+    code, plain, err = _decode_cli(capsys, *base, "--beam_size=4")
+    assert code == 0, err
+    out = tmp_path / "n_best.tsv"
+    code, stdout, err = _decode_cli(capsys, *base, "--beam_size=4", "--n_best=3", f"--output={out}")
+    assert code == 0 and stdout == "", err
+    rows = _rows(out.read_text())
+    expected = run.translate(src, beam_size=4, n_best=3)
+    assert [r[0] for r in rows] == [str(i) for i in range(len(src)) for _ in range(3)]
+    assert [r[1] for r in rows] == ["1", "2", "3"] * len(src)
+    assert [r[3] for r in rows] == [h.text for hyps in expected for h in hyps]
+    np.testing.assert_allclose([float(r[2]) for r in rows],
+                               [h.score for hyps in expected for h in hyps], atol=1e-3)
+    assert [r[3] for r in rows[::3]] == plain.splitlines()
+    # The issue's command: sampling options on an encoder-decoder run now sample.
+    code, sampled, err = _decode_cli(capsys, *base, "--temperature", "0.8", "--top_k", "5",
+                                     "--seed=1")
+    assert code == 0, err
+    assert sampled.splitlines() == run.translate(src, temperature=0.8, top_k=5, seed=1)
+    assert _decode_cli(capsys, *base, "--temperature=0.8", "--top_k=5", "--seed=1")[1] == sampled
+    assert _decode_cli(capsys, *base, "--temperature=0.8", "--top_k=5", "--seed=2")[1] != sampled
+    code, samples, err = _decode_cli(capsys, *base, "--search=sample", "--temperature=0.8",
+                                     "--top_k=5", "--seed=1", "--num_samples=2",
+                                     "--batch_size=3")
+    assert code == 0, err
+    rows = _rows(samples)
+    assert [r[:2] for r in rows] == [[str(i), j] for i in range(len(src)) for j in ("1", "2")]
+    assert [r[2] for r in rows[::2]] == sampled.splitlines()
+
+
+def test_decode_cli_refuses_what_it_cannot_honour(full_run, tmp_path, capsys):
+    """Conflicting or unusable options exit 1 with one line and write nothing."""
+    out = tmp_path / "never.txt"
+    base = [f"--workdir={full_run}", f"--input={full_run / 'heldout.src'}", f"--output={out}"]
+    cases = [
+        (["--temperature=0.8", "--search=beam"], "temperature=0.8 does not apply to search=beam"),
+        (["--beam_size=4", "--n_best=5"], "n_best must be in [1, beam_size=4], got 5"),
+        (["--n_best=2", "--search=sample"], "n_best=2 does not apply to search=sample"),
+        (["--n_best=2", f"--reference={full_run / 'heldout.ref'}"], "--reference scores one"),
+        (["--beam_size=2", "--temperature=0.5"], "asks for search=beam"),
+        (["--seed=3"], "seed=3 does not apply to search=beam"),
+        (["--search=greedy", "--alpha=0.6"], "alpha=0.6 does not apply to search=greedy"),
+        (["--search=sample", "--temperature=0"], "temperature must be > 0"),
+        (["--num_samples=0"], "num_samples must be >= 1"),
+        (["--max_new_tokens=10"], "max_new_tokens=10 does not apply to encoder_decoder runs"),
+        (["--search=nucleus"], "value should be one of <greedy|beam|sample>"),
+        (["--bogus=1"], "Unknown command line flag 'bogus'"),
+        (["stray"], "unexpected positional arguments"),
+    ]
+    for args, message in cases:
+        code, stdout, err = _decode_cli(capsys, *base, *args)
+        assert code == 1, (args, err)
+        assert err.startswith("error: ") and message in err, (args, err)
+        assert err.count("\n") == 1 and stdout == "" and not out.exists(), (args, err)
+    code, _, err = _decode_cli(capsys, f"--input={full_run / 'heldout.src'}")
+    assert code == 1 and err == "error: flag --workdir=None: Flag --workdir must have a value " \
+                                "other than None.\n"
+
+
+def test_average_cli_takes_absl_flags(full_run, tmp_path, capsys):
+    from transformer_zoo.train import average
+
+    output = tmp_path / "avg"
+    cases = [(["--last=0"], "--last=0"), (["--last=three"], "--last=three"),
+             (["--last=9"], "asked to average 9"), ([], "--last must have a value")]
+    for args, message in cases:
+        capsys.readouterr()
+        assert average.main([f"--workdir={full_run}", f"--output={output}", *args]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+        assert not output.exists()
+    assert average.main([f"--workdir={full_run}", f"--output={output}", "--last", "2"]) == 0
+    assert "averaged the last 2 checkpoints" in capsys.readouterr().out
+    assert load_run(output).step == 30
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_good_checkpoints(tmp_path):
@@ -190,7 +332,7 @@ def test_bf16_compute_trains_with_float32_params_and_eval_decodes(tmp_path):
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
 
 
-def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path):
+def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path, capsys):
     from transformer_zoo.configs import tinyshakespeare
 
     corpus = tmp_path / "corpus.txt"
@@ -220,6 +362,35 @@ def test_decoder_only_run_generates_in_process_and_from_the_cli(tmp_path):
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == expected
+    _decoder_only_searches(run, expected, capsys, tmp_path)
+
+
+def _decoder_only_searches(run, expected, capsys, tmp_path):
+    """Beam search, n-best and samples of a decoder-only run, in process and from the CLI."""
+    beams = run.generate(["to be"], max_new_tokens=12, beam_size=3, n_best=3)[0]
+    assert len(beams) == 3 and [h.score for h in beams] == sorted((h.score for h in beams),
+                                                                  reverse=True)
+    assert run.generate(["to be"], max_new_tokens=12, search="beam", beam_size=3) == [beams[0].text]
+    assert run.generate(["to be"], max_new_tokens=12, search="sample", top_k=1) == expected
+    samples = run.generate(["to be", "or"], max_new_tokens=12, temperature=1.5, seed=1,
+                           num_samples=3)
+    assert [len(s) for s in samples] == [3, 3] and len({h.text for h in samples[0]}) > 1
+    assert run.generate(["or"], max_new_tokens=12, temperature=1.5, seed=1, num_samples=3) != [
+        [h.text for h in samples[1]]]  # sample j of input i depends on i
+    with pytest.raises(ValueError, match="beam search needs prompt"):
+        run.generate(["to be"], max_new_tokens=100, beam_size=2)
+    with pytest.raises(ValueError, match="max_extra=3 does not apply to decoder_only runs"):
+        run.decode(["to be"], max_extra=3)
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "beams.tsv"
+    prompts.write_text("to be\n")
+    base = [f"--workdir={tmp_path / 'lm'}", f"--input={prompts}", "--max_new_tokens=12"]
+    code, _, err = _decode_cli(capsys, *base, "--beam_size=3", "--n_best=3", f"--output={out}")
+    assert code == 0, err
+    rows = _rows(out.read_text())
+    assert [r[:2] for r in rows] == [["0", "1"], ["0", "2"], ["0", "3"]]
+    np.testing.assert_allclose([float(r[2]) for r in rows], [h.score for h in beams], atol=1e-3)
+    code, _, err = _decode_cli(capsys, *base, "--max_extra=3", f"--output={out}.x")
+    assert code == 1 and "max_extra=3 does not apply" in err and not Path(f"{out}.x").exists()
 
 
 def test_a_partially_written_checkpoint_is_never_restored(full_run, tmp_path):
