@@ -1,39 +1,24 @@
-"""Fields every recipe shares, with their defaults (one comment per field)."""
+"""Fields every recipe shares, with their defaults (one comment per field; the model,
+data, decode and train sections are declared in configs/schema.py)."""
 
 import ml_collections
 
+from transformer_zoo.configs import schema
 
-def base_config() -> ml_collections.ConfigDict:
+
+def base_config(task: str = "numbers") -> ml_collections.ConfigDict:
+    """The fields every recipe shares, at their defaults, with the `data` section of `task`.
+
+    The `model`, `data`, `decode` and `train` sections are declared in
+    configs/schema.py (model: every models.ModelConfig field, with its default) and
+    locked: a misspelt field is an error, in a recipe and on the command line.
+    """
     config = ml_collections.ConfigDict()
     config.seed = 0  # parameters, dropout (fold_in(step)) and data shuffling
     config.family = "encoder_decoder"  # encoder_decoder | decoder_only | encoder_only
     config.init_from = ""  # another run's workdir: start from its latest params (fine-tuning)
-
-    # models.ModelConfig fields (vocab_size comes from the tokenizer).
-    config.model = ml_collections.ConfigDict(dict(
-        d_model=512,  # D
-        num_heads=8,  # N
-        num_kv_heads=None,  # K (GQA); None = N
-        d_ff=2048,  # F
-        num_encoder_layers=6,
-        num_decoder_layers=6,
-        dropout_rate=0.1,  # residual + embedding dropout (the paper's P_drop)
-        attention_dropout_rate=0.0,  # dropout on attention weights
-        ffn_activation="relu",  # relu | gelu | swiglu | geglu
-        norm="layernorm",  # layernorm | rmsnorm
-        norm_position="post",  # post (paper) | pre
-        position_encoding="sinusoidal",  # sinusoidal | learned | rope | alibi | none
-        max_length=256,  # learned position table size
-        share_embeddings=True,  # encoder/decoder embeddings shared (joint vocabulary)
-        tie_output=True,  # pre-softmax projection = decoder embedding
-        attention_impl="xla",  # see models.attention_impls()
-        num_classes=None,  # encoder_only: classes of the pooled head
-        dtype="float32",  # compute dtype; "bfloat16" for mixed precision
-        param_dtype="float32",  # parameter (and optimizer state) dtype
-    ))
-    config.model.lock()
-
-    config.data = ml_collections.ConfigDict()  # filled by each recipe (see train/input.py)
+    config.model = schema.section(schema.MODEL_FIELDS)  # vocab_size: the tokenizer's
+    config.data = schema.data_section(task)  # the fields of schema.DATA_TASKS[task]
 
     config.optim = ml_collections.ConfigDict(dict(
         name="adam",  # adam | adamw (weight decay masked off norms and biases)
@@ -49,20 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
         grad_accum_steps=1,  # optax.MultiSteps micro-batches per update
     ))
 
-    config.train = ml_collections.ConfigDict(dict(
-        num_steps=100_000,  # optimizer steps (micro-steps with accumulation)
-        label_smoothing=0.1,  # the paper's epsilon_ls
-        log_every=100,
-        eval_every=1000,  # 0 = only at the end
-        checkpoint_every=1000,
-        keep_checkpoints=5,  # the latest K are kept (the paper averaged 5 / 20)
-        best_metric="loss",  # eval metric whose best checkpoint is kept too ("" = off)
-        best_mode="min",
-        # At the end: average the params of the last N checkpoints (into WORKDIR/averaged),
-        # decode the held-out set with both, keep the better (selection on held-out data
-        # only) and decode data.test_source with it if a recipe sets one. 0/1 = off.
-        average_last=0,
-    ))
+    config.train = schema.section(schema.TRAIN_FIELDS)
 
     # Devices (train/parallel.py). Defaults: data parallel over all devices (one
     # device: no parallelism). Presets are mesh shapes: fsdp (1, -1, 1), tp (1, 1, -1).
@@ -86,13 +58,5 @@ def base_config() -> ml_collections.ConfigDict:
         process_id=-1,  # -1 = $JAX_PROCESS_ID or cluster auto-detection
     ))
 
-    config.decode = ml_collections.ConfigDict(dict(
-        beam_size=4,  # the paper's beam
-        alpha=0.6,  # GNMT length penalty ((5 + |Y|) / 6)^alpha
-        max_extra=50,  # max output length = input length + 50
-        batch_size=64,  # sentences per decoding batch
-        num_print=5,  # decoded examples printed at the end
-        eval_examples=100,  # held-out examples decoded at each periodic eval; 0 = at the end only
-        metric="bleu",  # bleu (sacreBLEU + chrF) | exact_match
-    ))
+    config.decode = schema.section(schema.DECODE_FIELDS)
     return config

@@ -12,7 +12,8 @@ from transformer_zoo.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.base_config()
+    # data.number_words: 0..999999 in words; the held-out numbers are disjoint.
+    config = common.base_config(task="numbers")
     config.family = "encoder_decoder"
 
     # Model: the paper's architecture (post-norm, sinusoidal, ReLU, tied), small.
@@ -20,7 +21,6 @@ def get_config() -> ml_collections.ConfigDict:
                         num_decoder_layers=2, dropout_rate=0.05, max_length=64)
 
     d = config.data
-    d.task = "numbers"  # data.number_words: 0..999999, held-out numbers are disjoint
     d.num_train_examples = 200_000  # examples per epoch (numbers are sampled)
     d.num_eval_examples = 1000  # held-out examples for loss and exact match
     d.batching = "pack"  # pack several short examples per row

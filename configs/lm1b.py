@@ -10,14 +10,13 @@ from transformer_zoo.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.base_config()
+    config = common.base_config(task="tfds_text")
     config.family = "decoder_only"
     config.model.update(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=0,
                         num_decoder_layers=6, dropout_rate=0.1, norm_position="pre",
                         position_encoding="rope", ffn_activation="gelu", max_length=256)
 
     d = config.data
-    d.task = "tfds_text"
     d.tfds_name = "lm1b"
     d.text_key = "text"
     d.train_split = "train"

@@ -9,14 +9,13 @@ from transformer_zoo.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.base_config()
+    config = common.base_config(task="sorted")  # data.sorted_classification: label 1 iff sorted
     config.family = "encoder_only"
     config.model.update(d_model=64, num_heads=4, d_ff=128, num_encoder_layers=2,
                         num_decoder_layers=0, dropout_rate=0.0, num_classes=2,
                         norm_position="pre", position_encoding="learned", max_length=32)
 
     d = config.data
-    d.task = "sorted"  # data.sorted_classification: label 1 iff the letters are sorted
     d.num_symbols = 10
     d.num_train_examples = 100_000
     d.num_eval_examples = 1000

@@ -15,7 +15,7 @@ from transformer_zoo.configs.paths import SHARED_DATA
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.base_config()
+    config = common.base_config(task="text_file")
     config.family = "decoder_only"
     config.model.update(d_model=128, num_heads=4, d_ff=512, num_encoder_layers=0,
                         num_decoder_layers=4, dropout_rate=0.0, norm_position="pre",
@@ -23,7 +23,6 @@ def get_config() -> ml_collections.ConfigDict:
                         tie_output=True)
 
     d = config.data
-    d.task = "text_file"
     d.path = str(SHARED_DATA / "tinyshakespeare" / "input.txt")
     d.train_fraction = 0.9  # the usual split: first 90% train, last 10% validation
     d.seq_length = 64  # context

@@ -13,13 +13,12 @@ from transformer_zoo.configs import common
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = common.base_config()
+    config = common.base_config(task="tfds_translation")
     config.family = "encoder_decoder"
     # Base: N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1, eps_ls=0.1 (the defaults).
     config.model.update(max_length=256)
 
     d = config.data
-    d.task = "tfds_translation"
     d.tfds_name = "wmt14_translate/de-en"
     d.source_key = "en"
     d.target_key = "de"

@@ -25,6 +25,23 @@ flags.DEFINE_string("workdir", None, "Run directory: checkpoints, tokenizer, met
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _one_line(err: BaseException) -> str:
+    """The innermost message of `err` (ml_collections wraps a KeyError) on one line."""
+    while err.args and isinstance(err.args[0], BaseException):
+        err = err.args[0]
+    text = str(err.args[0]) if err.args else str(err)
+    return " ".join(text.replace("\\n", "\n").split())
+
+
+def _parse_flags(argv):
+    """absl's flag parsing; a misspelt or badly typed --config.* override is one line."""
+    try:
+        return FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as err:
+        print(f"error: bad flags: {_one_line(err)}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
@@ -32,10 +49,10 @@ def main(argv):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    except NonFiniteLossError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (NonFiniteLossError, ValueError, FileNotFoundError) as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         sys.exit(1)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -18,8 +18,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_zoo import data
+from transformer_zoo.configs import schema
+from transformer_zoo.train.tasks import FAMILIES
 
-TASKS = ("numbers", "parallel_files", "tfds_translation", "text_file", "tfds_text", "sorted")
+TASKS = tuple(schema.DATA_TASKS)
 
 
 @dataclasses.dataclass
@@ -48,13 +50,19 @@ def tokenizer_dir(workdir) -> Path:
 
 
 def build_input(config, workdir) -> Input:
-    """The Input of `config.data` (see configs/ for the fields of each task)."""
-    task = config.data.task
-    if task not in TASKS:
-        raise ValueError(f"data.task={task!r} is unknown; choose from {TASKS}")
-    if task in ("text_file", "tfds_text") and config.family != "decoder_only":
-        raise ValueError(f"data.task={task!r} needs family='decoder_only', got {config.family!r}")
-    return _BUILDERS[task](config, Path(workdir))
+    """The Input of `config.data` (the fields of each task: configs/schema.py DATA_TASKS).
+
+    Raises:
+      ValueError: an unknown family or task, a key that is not one of the task's
+        fields, or a text task outside decoder_only (before anything is read).
+    """
+    d = schema.data_fields(config.data)
+    if config.family not in FAMILIES:
+        raise ValueError(f"family={config.family!r} is unknown; choose from {sorted(FAMILIES)}")
+    if d.task in ("text_file", "tfds_text") and config.family != "decoder_only":
+        raise ValueError(f"data.task={d.task!r} needs family='decoder_only', "
+                         f"got {config.family!r}")
+    return _BUILDERS[d.task](d, config.seed, Path(workdir))
 
 
 def per_process(global_size: int, name: str) -> int:
@@ -66,10 +74,14 @@ def per_process(global_size: int, name: str) -> int:
     return global_size // procs
 
 
+def _row_lengths(d) -> dict[str, int | None]:
+    """The max lengths the task declares (a classification task has no targets)."""
+    return {k: d[k] for k in ("max_inputs_length", "max_targets_length") if k in d}
+
+
 def _batching(d, train: bool) -> data.Batching:
-    kw = dict(max_inputs_length=d.get("max_inputs_length"),
-              max_targets_length=d.get("max_targets_length"))
-    if train and d.get("tokens_per_batch"):
+    kw = _row_lengths(d)
+    if train and d.tokens_per_batch:
         return data.Batching(mode=d.batching, **kw,
                              tokens_per_batch=per_process(d.tokens_per_batch, "tokens_per_batch"))
     if train:
@@ -77,22 +89,22 @@ def _batching(d, train: bool) -> data.Batching:
                              **kw)
     # Eval: one example per row, easy to score. Across processes every batch must
     # have one shape (the step is a collective), so there is one bucket: the max length.
-    size = per_process(d.get("eval_batch_size") or d.batch_size, "eval_batch_size")
+    size = per_process(d.eval_batch_size or d.batch_size, "eval_batch_size")
     lengths = [n for n in kw.values() if n]
     single = (max(lengths),) if jax.process_count() > 1 and lengths else None
     return data.Batching(mode="bucket", batch_size=size, bucket_boundaries=single, **kw)
 
 
-def _seq2seq_input(config, workdir, train_ds, eval_ds, tokenizer) -> Input:
-    d = config.data
+def _seq2seq_input(d, seed: int, train_ds, eval_ds, tokenizer, num_decode: int) -> Input:
+    """Batches of a task of examples; the first `num_decode` held-out ones are decoded."""
     train = data.make_batches(train_ds, _batching(d, True), tokenizer=tokenizer, train=True,
-                              seed=config.seed)
-    eval_ds = eval_ds[: d.max_eval_examples] if d.get("max_eval_examples") else eval_ds
+                              seed=seed)
+    eval_ds = eval_ds[: d.max_eval_examples] if d.max_eval_examples else eval_ds
 
     def eval_batches():
         return data.make_batches(eval_ds, _batching(d, False), tokenizer=tokenizer, train=False)
 
-    n = min(d.get("num_decode_examples", 0), len(eval_ds))
+    n = min(num_decode, len(eval_ds))
     return Input(tokenizer, train, eval_batches, _examples(eval_ds, n))
 
 
@@ -127,19 +139,17 @@ def _load_or_make(directory: Path, make: Callable[[], Any]):
     return tokenizer
 
 
-def _numbers(config, workdir):
-    d = config.data
+def _numbers(d, seed: int, workdir: Path) -> Input:
     tokenizer = _saved_or(workdir, data.number_tokenizer)
-    train = data.number_words("train", num_examples=d.num_train_examples, seed=config.seed)
-    test = data.number_words("test", num_examples=d.num_eval_examples, seed=config.seed + 1)
-    return _seq2seq_input(config, workdir, train, test, tokenizer)
+    train = data.number_words("train", num_examples=d.num_train_examples, seed=seed)
+    test = data.number_words("test", num_examples=d.num_eval_examples, seed=seed + 1)
+    return _seq2seq_input(d, seed, train, test, tokenizer, d.num_decode_examples)
 
 
-def _sentencepiece(config, workdir, train_ds):
-    d = config.data
-
+def _sentencepiece(d, seed: int, workdir: Path, train_ds):
     def make():
-        texts = data.sample_texts(train_ds, max_examples=d.spm_max_sentences, seed=config.seed)
+        # Both sides of translation pairs (one joint vocabulary); LM examples have targets.
+        texts = data.sample_texts(train_ds, max_examples=d.spm_max_sentences, seed=seed)
         return data.train_sentencepiece(
             texts, tokenizer_dir(workdir), vocab_size=d.vocab_size, model_type=d.spm_model_type,
             character_coverage=d.spm_character_coverage, byte_fallback=d.spm_byte_fallback)
@@ -157,41 +167,40 @@ def _require(path: str, what: str) -> Path:
     return p
 
 
-def _parallel_files(config, workdir):
-    d = config.data
+def _parallel_files(d, seed: int, workdir: Path) -> Input:
     train = data.parallel_files(_require(d.train_source, "data.train_source"),
                                 _require(d.train_target, "data.train_target"))
     evals = data.parallel_files(_require(d.eval_source, "data.eval_source"),
                                 _require(d.eval_target, "data.eval_target"))
-    inp = _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
-    if d.get("test_source"):
+    tokenizer = _sentencepiece(d, seed, workdir, train)
+    inp = _seq2seq_input(d, seed, train, evals, tokenizer, d.num_decode_examples)
+    if d.test_source:
         test = data.parallel_files(_require(d.test_source, "data.test_source"),
                                    _require(d.test_target, "data.test_target"))
         inp.test_examples = _examples(test)
     return inp
 
 
-def _tfds_translation(config, workdir):
-    d = config.data
-    kw = dict(source_key=d.source_key, target_key=d.target_key, data_dir=d.get("tfds_data_dir"))
+def _tfds_translation(d, seed: int, workdir: Path) -> Input:
+    kw = dict(source_key=d.source_key, target_key=d.target_key, data_dir=d.tfds_data_dir)
     train = data.tfds_translation(d.tfds_name, d.train_split, **kw)
     evals = data.tfds_translation(d.tfds_name, d.eval_split, **kw)
-    inp = _seq2seq_input(config, workdir, train, evals, _sentencepiece(config, workdir, train))
-    if d.get("test_split"):
+    tokenizer = _sentencepiece(d, seed, workdir, train)
+    inp = _seq2seq_input(d, seed, train, evals, tokenizer, d.num_decode_examples)
+    if d.test_split:
         test = data.tfds_translation(d.tfds_name, d.test_split, **kw)
         inp.test_examples = _examples(test)
     return inp
 
 
-def _lm_input(config, train_ids: np.ndarray, eval_ids: np.ndarray, tokenizer) -> Input:
-    d = config.data
+def _lm_input(d, seed: int, train_ids: np.ndarray, eval_ids: np.ndarray, tokenizer) -> Input:
     rows = per_process(d.batch_size, "batch_size")
     train = data.lm_windows(train_ids, length=d.seq_length, batch_size=rows, train=True,
-                            seed=config.seed)
+                            seed=seed)
 
     def eval_batches():
         ds = data.lm_windows(eval_ids, length=d.seq_length, batch_size=rows, train=False)
-        return ds if not d.get("max_eval_batches") else _take(ds, d.max_eval_batches)
+        return ds if not d.max_eval_batches else _take(ds, d.max_eval_batches)
 
     return Input(tokenizer, train, eval_batches, [])
 
@@ -205,54 +214,38 @@ def _take(ds, n):
             return
 
 
-def _text_file(config, workdir):
-    d = config.data
+def _text_file(d, seed: int, workdir: Path) -> Input:
     text = data.text_corpus(_require(d.path, "data.path"))
     split = int(len(text) * d.train_fraction)
     tokenizer = _saved_or(workdir, lambda: data.CharTokenizer.build([text[:split]]))
     ids = np.asarray(tokenizer.encode(text), np.int32)
     logging.info("char corpus: %d characters, %d train", len(text), split)
-    return _lm_input(config, ids[:split], ids[split:], tokenizer)
+    return _lm_input(d, seed, ids[:split], ids[split:], tokenizer)
 
 
-def _tfds_text(config, workdir):
-    d = config.data
-    train = data.tfds_text(d.tfds_name, d.train_split, text_key=d.text_key)
-    evals = data.tfds_text(d.tfds_name, d.eval_split, text_key=d.text_key)
-    tokenizer = _sentencepiece_lm(config, workdir, train)
+def _tfds_text(d, seed: int, workdir: Path) -> Input:
+    kw = dict(text_key=d.text_key, data_dir=d.tfds_data_dir)
+    train = data.tfds_text(d.tfds_name, d.train_split, **kw)
+    evals = data.tfds_text(d.tfds_name, d.eval_split, **kw)
+    tokenizer = _sentencepiece(d, seed, workdir, train)
     batching = data.Batching(mode=d.batching, batch_size=per_process(d.batch_size, "batch_size"),
                              max_targets_length=d.seq_length)
-    train_b = data.make_batches(train, batching, tokenizer=tokenizer, train=True, seed=config.seed)
+    train_b = data.make_batches(train, batching, tokenizer=tokenizer, train=True, seed=seed)
 
     def eval_batches():
-        ds = evals[: d.get("max_eval_examples") or len(evals)]
+        ds = evals[: d.max_eval_examples or len(evals)]
         return data.make_batches(ds, batching, tokenizer=tokenizer, train=False)
 
     return Input(tokenizer, train_b, eval_batches, [])
 
 
-def _sentencepiece_lm(config, workdir, train_ds):
-    d = config.data
-
-    def make():
-        texts = data.sample_texts(train_ds, keys=("targets",), max_examples=d.spm_max_sentences,
-                                  seed=config.seed)
-        return data.train_sentencepiece(texts, tokenizer_dir(workdir), vocab_size=d.vocab_size,
-                                        model_type=d.spm_model_type)
-
-    return _saved_or(workdir, make)
-
-
-def _sorted(config, workdir):
-    d = config.data
+def _sorted(d, seed: int, workdir: Path) -> Input:
     tokenizer = _saved_or(workdir, lambda: data.symbol_tokenizer(d.num_symbols))
-    train = data.sorted_classification(num_examples=d.num_train_examples, seed=config.seed,
+    train = data.sorted_classification(num_examples=d.num_train_examples, seed=seed,
                                        num_symbols=d.num_symbols)
-    test = data.sorted_classification(num_examples=d.num_eval_examples, seed=config.seed + 1,
+    test = data.sorted_classification(num_examples=d.num_eval_examples, seed=seed + 1,
                                       num_symbols=d.num_symbols)
-    inp = _seq2seq_input(config, workdir, train, test, tokenizer)
-    inp.eval_examples = []
-    return inp
+    return _seq2seq_input(d, seed, train, test, tokenizer, num_decode=0)  # labels, no text
 
 
 _BUILDERS = {

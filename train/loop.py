@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from transformer_zoo.configs import schema
 from transformer_zoo.train import parallel, predict
 from transformer_zoo.train.checkpoint import (
     Checkpointer,
@@ -95,6 +96,7 @@ def init_state(model, family: str, tx, seed: int, plan: parallel.Plan):
 
 def setup(config, workdir) -> Run:
     """Builds input, model, optimizer, fresh state and checkpointer."""
+    schema.check(config)  # a misspelt key or bad value fails before anything is done
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     inp = build_input(config, workdir)
@@ -105,8 +107,8 @@ def setup(config, workdir) -> Run:
     tx, schedule = make_optimizer(config.optim, model_config.d_model, config.train.num_steps)
     state, shardings = init_state(model, config.family, tx, config.seed, plan)
     ckpt = Checkpointer(workdir, keep=config.train.keep_checkpoints,
-                        best_metric=config.train.get("best_metric") or None,
-                        best_mode=config.train.get("best_mode", "min"))
+                        best_metric=config.train.best_metric or None,
+                        best_mode=config.train.best_mode)
     return Run(config, workdir, inp, model, model_config, state, schedule, ckpt, plan,
                shardings)
 
@@ -118,7 +120,7 @@ def restore_or_start(run: Run) -> tuple[TrainState, dict | None]:
         state, data_state = run.checkpointer.restore(latest, run.state)
         log.info("resumed from %s step %d", run.checkpointer.directory, latest)
         return state, data_state
-    if run.config.get("init_from"):
+    if run.config.init_from:
         source = Checkpointer(run.config.init_from, read_only=True, async_save=False)
         step = source.latest_step()
         if step is None:
@@ -190,9 +192,9 @@ def final_scores(run: Run, params) -> dict[str, float]:
     test set) decodes data.test_source, if the recipe has one.
     """
     result = predict.score_examples(run, params)
-    if run.config.family == "decoder_only" and run.config.decode.get("sample_length"):
+    if run.config.family == "decoder_only" and run.config.decode.sample_length:
         _print_sample(run, params)
-    n = run.config.train.get("average_last", 0)
+    n = run.config.train.average_last
     if n > 1 and result:
         averaged = _averaged_params(run, n)
         if averaged is not None:
@@ -211,10 +213,10 @@ def final_scores(run: Run, params) -> dict[str, float]:
 def _print_sample(run: Run, params) -> None:
     """A sampled continuation of decode.sample_prompt, printed and written to sample.txt."""
     cfg = run.config.decode
-    prompt = cfg.get("sample_prompt", "\n")
+    prompt = cfg.sample_prompt
     text = predict.generate_texts(run.model, params, run.input.tokenizer, [prompt],
                                   max_new_tokens=cfg.sample_length,
-                                  temperature=cfg.get("sample_temperature", 0.8),
+                                  temperature=cfg.sample_temperature,
                                   seed=run.config.seed)[0]
     print(f"sample ({cfg.sample_length} tokens after {prompt!r}):\n{prompt}{text}")
     if jax.process_index() == 0:

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from transformer_zoo.configs import schema
 from transformer_zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly, ModelConfig
 
 Array = Any
@@ -28,10 +29,26 @@ def build_model(family: str, model_config: ModelConfig):
     return FAMILIES[family](model_config)
 
 
-def model_config_from(run_model_cfg, vocab_size: int, **overrides) -> ModelConfig:
-    """ModelConfig from the run config's `model` section and the tokenizer's vocabulary."""
-    fields = dict(run_model_cfg)
-    fields.update(vocab_size=vocab_size, **overrides)
+def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None) -> ModelConfig:
+    """ModelConfig from the run config's `model` section, the tokenizer and the devices.
+
+    Args:
+      run_model_cfg: the `model` section (configs/schema.py: ModelConfig's fields).
+      vocab_size: the tokenizer's vocabulary size; model.vocab_size None takes it.
+      kernels: the devices' choice of models.Kernels, taken where model.kernels is
+        None (an explicit value is honoured); None = ModelConfig's default.
+
+    Raises:
+      ValueError: a key that is not a ModelConfig field, or a model.vocab_size
+        that is not the tokenizer's.
+    """
+    fields = schema.checked(run_model_cfg, schema.MODEL_FIELDS, "model", "models.ModelConfig")
+    if fields["vocab_size"] not in (None, vocab_size):
+        raise ValueError(f"model.vocab_size={fields['vocab_size']} is not the tokenizer's "
+                         f"vocabulary size {vocab_size}; leave it unset (None) to take it")
+    fields["vocab_size"] = vocab_size
+    if fields["kernels"] is None:
+        fields["kernels"] = ModelConfig.kernels if kernels is None else kernels
     return ModelConfig(**fields)
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from transformer_zoo.configs import schema
 from transformer_zoo.models import EncoderDecoder
 from transformer_zoo.train.input import build_input
 from transformer_zoo.train.tasks import build_model, model_config_from
@@ -15,12 +16,13 @@ RECIPES = ["default", "multi30k", "wmt14_ende_base", "wmt14_ende_big", "lm1b", "
 
 
 def _config(name):
-    return importlib.import_module(f"configs.{name}").get_config()
+    return importlib.import_module(f"transformer_zoo.configs.{name}").get_config()
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_builds_a_model(name):
     config = _config(name)
+    schema.check(config)  # every key declared, every value allowed
     model_config = model_config_from(config.model, vocab_size=1000)
     model = build_model(config.family, model_config)
     assert model.config.vocab_size == 1000

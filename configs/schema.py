@@ -1,0 +1,324 @@
+"""The declared fields of the run config's `model`, `data`, `decode` and `train` sections.
+
+Each field is declared once, with its default and one comment: `model` is generated
+from models.ModelConfig (its fields, defaults and docstring), each data task has its
+own table, and `decode` and `train` have one each. `section` turns a table into the
+locked ml_collections.ConfigDict a recipe edits and `--config.<section>.<field>=...`
+overrides (a None default becomes a typed placeholder, so it can be set from the
+command line); `check` refuses unknown keys, naming the key, the section's fields
+and the closest one, before a run does any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import inspect
+import re
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_dict
+
+from transformer_zoo.models import Kernels, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One declared config field.
+
+    Attributes:
+      default: the value a recipe starts from (None: unset).
+      doc: the field's one comment.
+      kind: the type of a None default (what the command line may set it to).
+      choices: the values allowed, if only some are.
+      required: None is an error (a path or dataset name the task cannot guess).
+    """
+
+    default: Any
+    doc: str
+    kind: type | None = None
+    choices: tuple = ()
+    required: bool = False
+
+
+Fields = Mapping[str, Field]
+
+
+def section(fields: Fields) -> ml_collections.ConfigDict:
+    """The locked ConfigDict of `fields` at their defaults (None: a typed placeholder)."""
+    values = {}
+    for name, field in fields.items():
+        if field.default is None and field.kind is None:
+            raise TypeError(f"field {name!r} has a None default and no kind")
+        values[name] = (config_dict.placeholder(field.kind) if field.default is None
+                        else field.default)
+    out = ml_collections.ConfigDict(values)
+    out.lock()
+    return out
+
+
+def checked(values: Mapping, fields: Fields, where: str, owner: str | None = None) -> dict:
+    """`values` over the defaults of `fields`, every key known and every value allowed.
+
+    Args:
+      values: a section of the run config (ConfigDict or dict).
+      fields: its declared fields.
+      where: the section's name in messages ("data", "decode", ...).
+      owner: what declares the fields, in messages (default: the section).
+
+    Raises:
+      ValueError: a key that is not a field (with the fields and the closest
+        one), a required field left None, or a value outside a field's choices.
+    """
+    for key in values:
+        if key not in fields:
+            raise unknown_key(key, fields, where, owner)
+    out = {name: field.default for name, field in fields.items()} | dict(values)
+    for name, field in fields.items():
+        if field.required and out[name] is None:
+            raise ValueError(f"{where}.{name} is required by {owner or where}; set it with "
+                             f"--config.{where}.{name}=...")
+        if field.choices and out[name] not in field.choices:
+            raise ValueError(f"{where}.{name}={out[name]!r} is unknown; choose from "
+                             f"{list(field.choices)}")
+    return out
+
+
+def unknown_key(key: str, fields: Fields, where: str, owner: str | None = None) -> ValueError:
+    """The error of `where.key` not being one of `fields`, with a 'did you mean'."""
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"{where}.{key} is not a field of {owner or where}{hint} "
+                      f"(its fields: {', '.join(sorted(fields))})")
+
+
+# ---------------------------------------------------------------------------
+# model: generated from models.ModelConfig.
+
+# Fields the run chooses when the config leaves them None, and how.
+CHOSEN_BY_THE_RUN = {
+    "vocab_size": "None = the tokenizer's vocabulary size (a value set must equal it).",
+    "kernels": "None = the devices' choice; a value set is honoured.",
+}
+
+
+def attribute_docs(cls) -> dict[str, str]:
+    """name -> text of the Google-style `Attributes:` section of `cls`'s docstring."""
+    text = inspect.cleandoc(cls.__doc__).split("Attributes:", 1)[1]
+    docs, name = {}, None
+    for line in text.splitlines():
+        match = re.match(r"  (\w+): (.*)", line)
+        if match:
+            name, docs[match[1]] = match[1], match[2]
+        elif name and line.startswith("    "):
+            docs[name] += " " + line.strip()
+        elif line.strip():
+            break  # the next section
+    return docs
+
+
+def _config_value(default):
+    """A ModelConfig default as the run config holds it: enums and dtypes as strings."""
+    if isinstance(default, enum.Enum):
+        return default.value
+    if default is None or isinstance(default, bool | int | float | str):
+        return default
+    return jnp.dtype(default).name  # dtype and param_dtype
+
+
+def _kind(hint) -> type:
+    """The command-line type of a field annotated `hint` (int | None -> int, enums -> str)."""
+    args = [a for a in typing.get_args(hint) if a is not types.NoneType] or [hint]
+    kind = args[0]
+    return str if isinstance(kind, type) and issubclass(kind, enum.Enum) else kind
+
+
+def model_fields() -> dict[str, Field]:
+    """A Field per ModelConfig field: its default, its docstring line, its type."""
+    docs, hints = attribute_docs(ModelConfig), typing.get_type_hints(ModelConfig)
+    out = {}
+    for f in dataclasses.fields(ModelConfig):
+        doc, default = docs.get(f.name, ""), _config_value(f.default)
+        if f.name in CHOSEN_BY_THE_RUN:
+            doc, default = f"{doc} {CHOSEN_BY_THE_RUN[f.name]}", None
+        out[f.name] = Field(default, doc, _kind(hints[f.name]))
+    return out
+
+
+MODEL_FIELDS = model_fields()
+
+
+def check_model(values: Mapping) -> None:
+    """ValueError on an unknown key or an invalid value of the `model` section.
+
+    Builds the ModelConfig with a stand-in vocabulary when vocab_size is left to
+    the tokenizer, so a bad value fails before the tokenizer is built.
+    """
+    fields = checked(values, MODEL_FIELDS, "model", "models.ModelConfig")
+    stand_in = fields["vocab_size"] or fields["input_vocab_size"] or 1
+    ModelConfig(**{**fields, "vocab_size": stand_in,
+                   "kernels": fields["kernels"] or Kernels.PORTABLE})
+
+
+# ---------------------------------------------------------------------------
+# data: one table per task (train/input.py builds each).
+
+_BATCHES = {
+    "batching": Field("pack", "pack: several examples per row (first fit) | bucket: one "
+                      "example per row, padded to its length bucket", choices=("pack", "bucket")),
+    "batch_size": Field(64, "global rows (pack) or examples (bucket) per training batch; "
+                        "None with tokens_per_batch", int),
+    "tokens_per_batch": Field(None, "instead of batch_size: rows = tokens_per_batch // row "
+                              "length", int),
+    "max_inputs_length": Field(None, "longest inputs kept (with EOS); the packed row length",
+                               int),
+    "eval_batch_size": Field(None, "held-out examples per eval batch; None = batch_size", int),
+    "max_eval_examples": Field(None, "held-out examples for the eval loss (the first N); "
+                               "None = all", int),
+}
+_TARGETS = {
+    "max_targets_length": Field(None, "longest targets kept (with EOS); the packed row length",
+                                int),
+    "num_decode_examples": Field(0, "held-out examples decoded at the end for the metric"),
+}
+_SENTENCEPIECE = {
+    "vocab_size": Field(32000, "sentencepiece vocabulary to train (with the 4 special ids); "
+                        "joint over source and target"),
+    "spm_model_type": Field("bpe", "sentencepiece model: bpe | unigram",
+                            choices=("bpe", "unigram")),
+    "spm_character_coverage": Field(1.0, "share of characters the vocabulary covers"),
+    "spm_byte_fallback": Field(False, "uncovered characters as UTF-8 byte pieces, not UNK"),
+    "spm_max_sentences": Field(1_000_000, "training examples sampled to train the tokenizer"),
+}
+_SYNTHETIC = {
+    "num_train_examples": Field(100_000, "examples per epoch (sampled)"),
+    "num_eval_examples": Field(1000, "held-out examples (disjoint from training)"),
+}
+_TFDS = {
+    "tfds_name": Field(None, "tfds dataset (with its config, e.g. 'wmt14_translate/de-en')",
+                       str, required=True),
+    "tfds_data_dir": Field(None, "tfds data directory; None = tfds' own", str),
+    "train_split": Field("train", "tfds split to train on"),
+}
+
+
+def _task(name: str, *groups: Fields, **fields: Field) -> dict[str, Field]:
+    return {"task": Field(name, "which data task (the table of its fields)"),
+            **{k: v for group in groups for k, v in group.items()}, **fields}
+
+
+DATA_TASKS: dict[str, dict[str, Field]] = {
+    # data.number_words: digits -> English words, held-out numbers disjoint.
+    "numbers": _task("numbers", _SYNTHETIC, _BATCHES, _TARGETS,
+                     num_train_examples=Field(200_000, "examples per epoch (sampled)")),
+    # data.sorted_classification: label 1 iff the letters are sorted (encoder_only).
+    "sorted": _task("sorted", _SYNTHETIC, _BATCHES,
+                    batching=dataclasses.replace(_BATCHES["batching"], default="bucket"),
+                    num_symbols=Field(10, "letters in the alphabet")),
+    # data.parallel_files: one sentence per line, source and target files aligned.
+    "parallel_files": _task(
+        "parallel_files", _SENTENCEPIECE, _BATCHES, _TARGETS,
+        train_source=Field(None, "training source sentences, one per line", str, required=True),
+        train_target=Field(None, "training target sentences, aligned", str, required=True),
+        eval_source=Field(None, "held-out source (selection only)", str, required=True),
+        eval_target=Field(None, "held-out target", str, required=True),
+        test_source=Field(None, "test source, decoded once at the end; None/'' = none", str),
+        test_target=Field(None, "test target", str)),
+    # data.tfds_translation: a tfds translate dataset (ArrayRecord, no TensorFlow).
+    "tfds_translation": _task(
+        "tfds_translation", _TFDS, _SENTENCEPIECE, _BATCHES, _TARGETS,
+        source_key=Field(None, "source language feature; None = the builder's first", str),
+        target_key=Field(None, "target language feature; None = the builder's second", str),
+        eval_split=Field("validation", "held-out split (selection only)"),
+        test_split=Field(None, "split decoded once at the end; None/'' = none", str)),
+    # data.text_corpus: one text file, characters as tokens, decoder_only.
+    "text_file": _task(
+        "text_file",
+        path=Field(None, "the text file", str, required=True),
+        train_fraction=Field(0.9, "leading share of the text for training; the rest is held out"),
+        seq_length=Field(128, "context: characters per row"),
+        batch_size=Field(64, "global rows per batch"),
+        max_eval_batches=Field(None, "held-out batches per evaluation; None = all", int)),
+    # data.tfds_text: a tfds dataset of sentences, sentencepiece, decoder_only.
+    "tfds_text": _task(
+        "tfds_text", _TFDS, _SENTENCEPIECE,
+        text_key=Field("text", "the text feature"),
+        eval_split=Field("validation", "held-out split"),
+        max_eval_examples=_BATCHES["max_eval_examples"],
+        batching=_BATCHES["batching"],
+        batch_size=Field(64, "global rows (pack) or sentences (bucket) per batch"),
+        seq_length=Field(128, "tokens per row (longer sentences are dropped)")),
+}
+
+
+def data_section(task: str) -> ml_collections.ConfigDict:
+    """The locked `data` section of `task` at its defaults."""
+    if task not in DATA_TASKS:
+        raise ValueError(f"data.task={task!r} is unknown; choose from {sorted(DATA_TASKS)}")
+    return section(DATA_TASKS[task])
+
+
+def data_fields(values: Mapping) -> ml_collections.FrozenConfigDict:
+    """Every field of the `data` section's task (defaults filled in), read by attribute.
+
+    Raises:
+      ValueError: an unknown task, a key that is not one of the task's fields,
+        a required field unset or a value outside a field's choices.
+    """
+    task = dict(values).get("task")
+    if task not in DATA_TASKS:
+        raise ValueError(f"data.task={task!r} is unknown; choose from {sorted(DATA_TASKS)}")
+    return ml_collections.FrozenConfigDict(
+        checked(values, DATA_TASKS[task], "data", f"data task {task!r}"))
+
+
+# ---------------------------------------------------------------------------
+# decode and train.
+
+DECODE_FIELDS = {
+    "beam_size": Field(4, "the paper's beam; 1 = greedy"),
+    "alpha": Field(0.6, "GNMT length penalty ((5 + |Y|) / 6)^alpha"),
+    "max_extra": Field(50, "max output length = input length + max_extra"),
+    "batch_size": Field(64, "sentences per decoding batch"),
+    "num_print": Field(5, "decoded examples printed at the end"),
+    "eval_examples": Field(100, "held-out examples decoded at each periodic eval; 0 = at the "
+                           "end only"),
+    "metric": Field("bleu", "bleu (sacreBLEU + chrF) | exact_match",
+                    choices=("bleu", "exact_match")),
+    "sample_length": Field(0, "decoder_only: tokens sampled at the end after sample_prompt "
+                           "(printed, and in WORKDIR/sample.txt); 0 = no sample"),
+    "sample_prompt": Field("\n", "decoder_only: the text the sample continues"),
+    "sample_temperature": Field(0.8, "decoder_only: the sample's softmax temperature"),
+}
+
+TRAIN_FIELDS = {
+    "num_steps": Field(100_000, "optimizer steps (micro-steps with accumulation)"),
+    "label_smoothing": Field(0.1, "the paper's epsilon_ls"),
+    "log_every": Field(100, "steps between console / metrics.jsonl lines"),
+    "eval_every": Field(1000, "steps between held-out evaluations; 0 = only at the end"),
+    "checkpoint_every": Field(1000, "steps between checkpoints"),
+    "keep_checkpoints": Field(5, "the latest K are kept (the paper averaged 5 / 20)"),
+    "best_metric": Field("loss", "eval metric whose best checkpoint is kept too; '' = off"),
+    "best_mode": Field("min", "min | max: which is best", choices=("min", "max")),
+    # At the end: the params of the last N checkpoints are averaged (into
+    # WORKDIR/averaged), the held-out set is decoded with both, the better is kept
+    # (selection on held-out data only) and decodes data.test_* if the task has it.
+    "average_last": Field(0, "checkpoints averaged at the end; 0/1 = off"),
+}
+
+
+def check(config) -> None:
+    """ValueError on an unknown key or a bad value in model, data, decode or train.
+
+    Called before a run does any work (no tokenizer, no data, nothing written).
+    """
+    check_model(config.model)
+    data_fields(config.data)
+    checked(config.decode, DECODE_FIELDS, "decode")
+    checked(config.train, TRAIN_FIELDS, "train")
