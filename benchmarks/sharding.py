@@ -42,17 +42,18 @@ def _setup(name: str, mesh_shape, layers: int | None):
     from transformer_zoo.models import get_preset
     from transformer_zoo.train import parallel
     from transformer_zoo.train.state import create_train_state, make_optimizer
-    from transformer_zoo.train.tasks import build_model, dummy_batch
+    from transformer_zoo.train.tasks import get_task
 
     overrides = {} if layers is None else dict(num_encoder_layers=layers,
                                                num_decoder_layers=layers)
     model_config = get_preset(name, **overrides)
-    model = build_model("encoder_decoder", model_config)
+    task = get_task("encoder_decoder")
+    model = task.build(model_config)
     cfg = common.base_config()
     tx, schedule = make_optimizer(cfg.optim, model_config.d_model, 100_000)
 
     def make():
-        variables = model.init(jax.random.key(0), **dummy_batch("encoder_decoder"))
+        variables = model.init(jax.random.key(0), **task.dummy_batch())
         return create_train_state(_unbox(variables["params"]), tx, 0)
 
     cfg.parallel.mesh_shape = mesh_shape
@@ -88,14 +89,14 @@ def count_collectives(name: str, mesh_shape, layers: int) -> tuple[dict[str, int
 
     from transformer_zoo.train import parallel
     from transformer_zoo.train.step import make_train_step
-    from transformer_zoo.train.tasks import dummy_batch
+    from transformer_zoo.train.tasks import get_task
 
     model, abstract, shardings, plan, schedule = _setup(name, mesh_shape, layers)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          abstract, shardings)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                      sharding=parallel.batch_sharding(plan.mesh, np.ndim(v)))
-             for k, v in dummy_batch("encoder_decoder", batch_size=8, length=64).items()}
+             for k, v in get_task("encoder_decoder").dummy_batch(batch_size=8, length=64).items()}
     step = plan.jit_train_step(make_train_step(model, "encoder_decoder", 0.1, schedule),
                                shardings)
     t0 = time.perf_counter()

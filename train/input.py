@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 
 from transformer_zoo import data
 from transformer_zoo.configs import schema
-from transformer_zoo.train.tasks import FAMILIES
+from transformer_zoo.train.tasks import Family, get_task
 
 TASKS = tuple(schema.DATA_TASKS)
 
@@ -57,9 +57,8 @@ def build_input(config, workdir) -> Input:
         fields, or a text task outside decoder_only (before anything is read).
     """
     d = schema.data_fields(config.data)
-    if config.family not in FAMILIES:
-        raise ValueError(f"family={config.family!r} is unknown; choose from {sorted(FAMILIES)}")
-    if d.task in ("text_file", "tfds_text") and config.family != "decoder_only":
+    family = get_task(config.family).family  # ValueError for an unknown family
+    if d.task in ("text_file", "tfds_text") and family != Family.DECODER_ONLY:
         raise ValueError(f"data.task={d.task!r} needs family='decoder_only', "
                          f"got {config.family!r}")
     return _BUILDERS[d.task](d, config.seed, Path(workdir))

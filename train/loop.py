@@ -34,7 +34,7 @@ from transformer_zoo.train.losses import summarize
 from transformer_zoo.train.metrics import CompileTimer, MetricWriter, Progress
 from transformer_zoo.train.state import TrainState, create_train_state, make_optimizer
 from transformer_zoo.train.step import make_eval_step, make_train_step
-from transformer_zoo.train.tasks import build_model, dummy_batch, model_config_from
+from transformer_zoo.train.tasks import Family, Task, get_task, model_config_from
 
 log = logging.getLogger("train")
 
@@ -57,6 +57,7 @@ class Run:
     checkpointer: Checkpointer
     plan: parallel.Plan
     state_shardings: TrainState
+    task: Task  # the model family's (train/tasks.py), chosen once from config.family
 
 
 def model_config_dict(model_config) -> dict:
@@ -74,23 +75,26 @@ def saved_config(run: Run) -> dict:
             "family": run.config.family}
 
 
-def init_params(model, family: str, seed: int):
+def init_params(model, task: Task | Family | str, seed: int):
     """Unboxed parameters of `model` (logical axis names are in the boxed init)."""
-    variables = jax.jit(lambda k: model.init(k, **dummy_batch(family)))(jax.random.key(seed))
+    batch = get_task(task).dummy_batch()
+    variables = jax.jit(lambda k: model.init(k, **batch))(jax.random.key(seed))
     return nn.meta.unbox(variables["params"])
 
 
-def init_state(model, family: str, tx, seed: int, plan: parallel.Plan):
+def init_state(model, task: Task | Family | str, tx, seed: int, plan: parallel.Plan):
     """(fresh TrainState created directly in its shardings, the shardings).
 
     Values equal init_params + create_train_state on one device (threefry is
     partitionable, so a sharded init draws the same numbers).
     """
+    task = get_task(task)
+
     def make():
-        params = nn.meta.unbox(model.init(jax.random.key(seed), **dummy_batch(family))["params"])
+        params = nn.meta.unbox(model.init(jax.random.key(seed), **task.dummy_batch())["params"])
         return create_train_state(params, tx, seed)
 
-    shardings = plan.shardings(model, family, jax.eval_shape(make))
+    shardings = plan.shardings(model, task, jax.eval_shape(make))
     return jax.jit(make, out_shardings=shardings)(), shardings
 
 
@@ -103,14 +107,15 @@ def setup(config, workdir) -> Run:
     plan = parallel.Plan.from_config(config.parallel)
     model_config = model_config_from(config.model, inp.tokenizer.vocab_size,
                                      kernels=plan.kernels)
-    model = build_model(config.family, model_config)
+    task = get_task(config.family)
+    model = task.build(model_config)
     tx, schedule = make_optimizer(config.optim, model_config.d_model, config.train.num_steps)
-    state, shardings = init_state(model, config.family, tx, config.seed, plan)
+    state, shardings = init_state(model, task, tx, config.seed, plan)
     ckpt = Checkpointer(workdir, keep=config.train.keep_checkpoints,
                         best_metric=config.train.best_metric or None,
                         best_mode=config.train.best_mode)
     return Run(config, workdir, inp, model, model_config, state, schedule, ckpt, plan,
-               shardings)
+               shardings, task)
 
 
 def restore_or_start(run: Run) -> tuple[TrainState, dict | None]:
@@ -192,7 +197,7 @@ def final_scores(run: Run, params) -> dict[str, float]:
     test set) decodes data.test_source, if the recipe has one.
     """
     result = predict.score_examples(run, params)
-    if run.config.family == "decoder_only" and run.config.decode.sample_length:
+    if run.task.family == Family.DECODER_ONLY and run.config.decode.sample_length:
         _print_sample(run, params)
     n = run.config.train.average_last
     if n > 1 and result:
@@ -287,11 +292,10 @@ def _train_and_evaluate(config, workdir) -> dict[str, float]:
 def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
     cfg = run.config.train
     plan = run.plan
-    step_fn = make_train_step(run.model, run.config.family, cfg.label_smoothing, run.schedule,
+    step_fn = make_train_step(run.model, run.task, cfg.label_smoothing, run.schedule,
                               axis_name=plan.axis_name)
     train_step = plan.jit_train_step(step_fn, run.state_shardings)
-    eval_step = plan.jit_eval_step(make_eval_step(run.model, run.config.family,
-                                                  cfg.label_smoothing))
+    eval_step = plan.jit_eval_step(make_eval_step(run.model, run.task, cfg.label_smoothing))
     start = int(state.step)
     state = plan.place_state(state)
     progress = Progress(start, cfg.num_steps)

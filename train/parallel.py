@@ -282,11 +282,13 @@ class Plan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def shardings(self, model, family: str, abstract_state: TrainState) -> TrainState:
-        """State shardings from the logical specs of the boxed params."""
-        from transformer_zoo.train.tasks import dummy_batch
+    def shardings(self, model, task, abstract_state: TrainState) -> TrainState:
+        """State shardings from the logical specs of the boxed params (task: a
+        train.tasks.Task, or its family name)."""
+        from transformer_zoo.train.tasks import get_task
 
-        boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), **dummy_batch(family)))
+        batch = get_task(task).dummy_batch()
+        boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), **batch))
         params_sh = param_shardings(boxed["params"], self.mesh, self.rules)
         if self.step != "jit":  # data parallel: every device holds the whole state
             params_sh = jax.tree.map(lambda _: self.replicated, params_sh)

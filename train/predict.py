@@ -34,7 +34,7 @@ from transformer_zoo.train.search import (  # noqa: F401  (re-exported: predict'
     Search,
     decode_options,
 )
-from transformer_zoo.train.tasks import build_model, dummy_batch
+from transformer_zoo.train.tasks import Family, get_task
 
 log = logging.getLogger("train")
 
@@ -309,7 +309,7 @@ def score_examples(run, params, limit: int | None = None, examples=None,
       tag: name of the written files and of the printed summary.
     """
     examples = run.input.eval_examples if examples is None else examples
-    if not examples or run.config.family != "encoder_decoder":
+    if not examples or run.task.family != Family.ENCODER_DECODER:
         return {}
     cfg = run.config.decode
     examples = examples[:limit] if limit else examples
@@ -456,8 +456,9 @@ def load_run(workdir, step: int | None = None, *,
         raise FileNotFoundError(f"{workdir} has no checkpoint at step {step}; it has {steps}")
     saved = ckpt.restore_config(step)
     model_config = ModelConfig(**saved["model"], kernels=kernels)
-    model = build_model(saved["family"], model_config)
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), **dummy_batch(saved["family"])))
+    task = get_task(saved["family"])
+    model = task.build(model_config)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), **task.dummy_batch()))
     params = ckpt.restore_params(step, meta.unbox(abstract["params"]))
     tokenizer = load_tokenizer(workdir / "tokenizer")
     return LoadedRun(saved["family"], model, params, tokenizer, step, saved["run"])

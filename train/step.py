@@ -10,12 +10,12 @@ import jax.numpy as jnp
 
 from transformer_zoo.train.losses import label_smoothed_cross_entropy, token_metrics
 from transformer_zoo.train.state import TrainState
-from transformer_zoo.train.tasks import forward
+from transformer_zoo.train.tasks import Family, Task, get_task
 
 Array = Any
 
 
-def make_train_step(model, family: str, label_smoothing: float,
+def make_train_step(model, task: Task | Family | str, label_smoothing: float,
                     schedule: Callable | None = None, axis_name: Any = None) -> Callable:
     """The (unjitted) train step for `model`.
 
@@ -23,16 +23,21 @@ def make_train_step(model, family: str, label_smoothing: float,
     divided by their count (per-token mean). Dropout uses fold_in(rng, step).
 
     Args:
+      model: the family's linen module.
+      task: its train.tasks.Task (or the family's name).
+      label_smoothing: epsilon_ls of the loss.
+      schedule: the learning-rate schedule, to log the rate (None: not logged).
       axis_name: None for a global-view step (one device or jit + shardings).
         Under shard_map/pmap, the axis name(s) holding the batch shards: the
         token count, gradients and metric sums are psum'd over them, so the
         step equals the global one; the device index is folded into the
         dropout key so shards draw different masks.
     """
+    task = get_task(task)
 
     def loss_fn(params, batch, rng):
-        logits, targets, weights = forward(model, family, params, batch, deterministic=False,
-                                           rngs={"dropout": rng})
+        logits, targets, weights = task.forward(model, params, batch, deterministic=False,
+                                                rngs={"dropout": rng})
         loss_sum, count = label_smoothed_cross_entropy(logits, targets, weights, label_smoothing)
         metrics = token_metrics(jax.lax.stop_gradient(logits), targets, weights, label_smoothing)
         if axis_name is not None:  # divide by the global count: psum(grads) is then the mean
@@ -56,11 +61,12 @@ def make_train_step(model, family: str, label_smoothing: float,
     return train_step
 
 
-def make_eval_step(model, family: str, label_smoothing: float) -> Callable:
+def make_eval_step(model, task: Task | Family | str, label_smoothing: float) -> Callable:
     """eval_step(params, batch) -> metric sums (deterministic forward)."""
+    task = get_task(task)
 
     def eval_step(params, batch):
-        logits, targets, weights = forward(model, family, params, batch, deterministic=True)
+        logits, targets, weights = task.forward(model, params, batch, deterministic=True)
         return token_metrics(logits, targets, weights, label_smoothing)
 
     return eval_step

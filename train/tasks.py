@@ -1,32 +1,145 @@
-"""Family glue: which model a run builds and how a batch becomes a loss.
+"""Model families as tasks: which model a run builds and how a batch becomes a loss.
 
-Each family maps a data/ batch (dict of [B, L] int arrays) to logits,
-targets and weights, so train_step and eval_step stay family-agnostic.
+One small typed object per family (`EncoderDecoderTask`, `DecoderOnlyTask`,
+`EncoderOnlyTask`), chosen once from the config with `get_task(config.family)`:
+it builds the model, makes an initialisation batch, and maps a data/ batch
+(dict of [B, L] int arrays) to (logits, targets, weights), calling the model
+with keyword arguments, so train_step and eval_step stay family-agnostic.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import enum
+from typing import Any, ClassVar
 
+import flax.linen as nn
 import jax.numpy as jnp
 
 from transformer_zoo.configs import schema
 from transformer_zoo.models import DecoderOnly, EncoderDecoder, EncoderOnly, ModelConfig
+from transformer_zoo.models.variants import parse
 
 Array = Any
 
-FAMILIES = {
-    "encoder_decoder": EncoderDecoder,
-    "decoder_only": DecoderOnly,
-    "encoder_only": EncoderOnly,
-}
+
+class Family(enum.StrEnum):
+    ENCODER_DECODER = "encoder_decoder"  # translation (the paper)
+    DECODER_ONLY = "decoder_only"  # language model
+    ENCODER_ONLY = "encoder_only"  # token and sequence classification
 
 
-def build_model(family: str, model_config: ModelConfig):
+def _ids(batch_size: int, length: int) -> tuple[Array, Array]:
+    ids = jnp.ones((batch_size, length), jnp.int32)
+    return ids, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), ids.shape)
+
+
+def _weights(batch, feature: str) -> Array:
+    seg = batch.get(f"{feature}_segmentation")
+    ids = batch[feature]
+    return ((seg if seg is not None else ids) != 0).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What train/ needs to know about a family (subclassed once per family)."""
+
+    family: ClassVar[Family]
+    model_class: ClassVar[type[nn.Module]]
+    generates: ClassVar[bool]  # decodes text (translation, continuation)
+
+    def build(self, model_config: ModelConfig) -> nn.Module:
+        """The family's linen module."""
+        return self.model_class(model_config)
+
+    def dummy_batch(self, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
+        """Model inputs of the right structure for initialisation (no labels)."""
+        raise NotImplementedError
+
+    def forward(self, model, params, batch, *, deterministic: bool, rngs=None):
+        """(logits [B, T, C] float32, targets [B, T], weights [B, T]) for the loss."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderDecoderTask(Task):
+    family: ClassVar[Family] = Family.ENCODER_DECODER
+    model_class: ClassVar[type[nn.Module]] = EncoderDecoder
+    generates: ClassVar[bool] = True
+
+    def dummy_batch(self, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
+        ids, pos = _ids(batch_size, length)
+        return dict(inputs=ids, targets=ids, inputs_segmentation=ids, targets_segmentation=ids,
+                    inputs_position=pos, targets_position=pos)
+
+    def forward(self, model, params, batch, *, deterministic: bool, rngs=None):
+        logits = model.apply(
+            {"params": params}, inputs=batch["inputs"], targets=batch["targets"],
+            inputs_segmentation=batch.get("inputs_segmentation"),
+            targets_segmentation=batch.get("targets_segmentation"),
+            inputs_position=batch.get("inputs_position"),
+            targets_position=batch.get("targets_position"),
+            deterministic=deterministic, rngs=rngs)
+        return logits, batch["targets"], _weights(batch, "targets")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderOnlyTask(Task):
+    family: ClassVar[Family] = Family.DECODER_ONLY
+    model_class: ClassVar[type[nn.Module]] = DecoderOnly
+    generates: ClassVar[bool] = True
+
+    def dummy_batch(self, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
+        ids, pos = _ids(batch_size, length)
+        return dict(targets=ids, targets_segmentation=ids, targets_position=pos)
+
+    def forward(self, model, params, batch, *, deterministic: bool, rngs=None):
+        logits = model.apply(
+            {"params": params}, targets=batch["targets"],
+            targets_segmentation=batch.get("targets_segmentation"),
+            targets_position=batch.get("targets_position"),
+            deterministic=deterministic, rngs=rngs)
+        return logits, batch["targets"], _weights(batch, "targets")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderOnlyTask(Task):
+    family: ClassVar[Family] = Family.ENCODER_ONLY
+    model_class: ClassVar[type[nn.Module]] = EncoderOnly
+    generates: ClassVar[bool] = False
+
+    def dummy_batch(self, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
+        ids, pos = _ids(batch_size, length)
+        return dict(inputs=ids, inputs_segmentation=ids, inputs_position=pos)
+
+    def forward(self, model, params, batch, *, deterministic: bool, rngs=None):
+        out = model.apply(
+            {"params": params}, inputs=batch["inputs"],
+            inputs_segmentation=batch.get("inputs_segmentation"),
+            inputs_position=batch.get("inputs_position"),
+            deterministic=deterministic, rngs=rngs)
+        labels = batch["labels"]
+        if labels.ndim == 1:  # sequence classification
+            return out["class_logits"][:, None], labels[:, None], jnp.ones(labels[:, None].shape)
+        return out["token_logits"], labels, _weights(batch, "inputs")
+
+
+TASKS: dict[Family, Task] = {t.family: t for t in (EncoderDecoderTask(), DecoderOnlyTask(),
+                                                   EncoderOnlyTask())}
+# The families by name, for messages and checks of config.family.
+FAMILIES = tuple(f.value for f in Family)
+
+
+def get_task(family: Family | str | Task) -> Task:
+    """The task of `family` (a Family, its name, or already a Task); ValueError otherwise."""
+    if isinstance(family, Task):
+        return family
+    return TASKS[parse(Family, family, "family")]
+
+
+def build_model(family: Family | str | Task, model_config: ModelConfig) -> nn.Module:
     """The linen module of `family`."""
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r} is unknown; choose from {sorted(FAMILIES)}")
-    return FAMILIES[family](model_config)
+    return get_task(family).build(model_config)
 
 
 def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None) -> ModelConfig:
@@ -50,43 +163,3 @@ def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None) -> ModelC
     if fields["kernels"] is None:
         fields["kernels"] = ModelConfig.kernels if kernels is None else kernels
     return ModelConfig(**fields)
-
-
-def dummy_batch(family: str, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
-    """Model inputs of the right structure for initialisation (no labels)."""
-    ids = jnp.ones((batch_size, length), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), ids.shape)
-    if family == "encoder_decoder":
-        return dict(inputs=ids, targets=ids, inputs_segmentation=ids, targets_segmentation=ids,
-                    inputs_position=pos, targets_position=pos)
-    if family == "decoder_only":
-        return dict(targets=ids, targets_segmentation=ids, targets_position=pos)
-    return dict(inputs=ids, inputs_segmentation=ids, inputs_position=pos)
-
-
-def forward(model, family: str, params, batch, *, deterministic: bool, rngs=None):
-    """(logits [B, T, C] float32, targets [B, T], weights [B, T]) for the loss."""
-    variables = {"params": params}
-    if family == "encoder_decoder":
-        logits = model.apply(
-            variables, batch["inputs"], batch["targets"], batch.get("inputs_segmentation"),
-            batch.get("targets_segmentation"), batch.get("inputs_position"),
-            batch.get("targets_position"), deterministic=deterministic, rngs=rngs,
-        )
-        return logits, batch["targets"], _weights(batch, "targets")
-    if family == "decoder_only":
-        logits = model.apply(variables, batch["targets"], batch.get("targets_segmentation"),
-                             batch.get("targets_position"), deterministic=deterministic, rngs=rngs)
-        return logits, batch["targets"], _weights(batch, "targets")
-    out = model.apply(variables, batch["inputs"], batch.get("inputs_segmentation"),
-                      batch.get("inputs_position"), deterministic=deterministic, rngs=rngs)
-    labels = batch["labels"]
-    if labels.ndim == 1:  # sequence classification
-        return out["class_logits"][:, None], labels[:, None], jnp.ones(labels[:, None].shape)
-    return out["token_logits"], labels, _weights(batch, "inputs")
-
-
-def _weights(batch, feature: str) -> Array:
-    seg = batch.get(f"{feature}_segmentation")
-    ids = batch[feature]
-    return ((seg if seg is not None else ids) != 0).astype(jnp.float32)
