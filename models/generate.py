@@ -190,6 +190,12 @@ def translate_greedy(model: EncoderDecoder, params, inputs: Array, *, max_extra:
                                   max_lens=_source_limits(model, inputs, max_extra))
 
 
+def _sampling(rng, temperature, top_k, top_p) -> tuple:
+    """The checked sampling settings as traced arrays: one compilation serves them all."""
+    decoding.check_sampling(temperature, top_k, top_p)
+    return rng, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)
+
+
 def translate_sample(model: EncoderDecoder, params, inputs: Array, rng: Array, *,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      max_extra: int = 50, eos_id: int = 1, use_cache: bool = True) -> Array:
@@ -214,8 +220,7 @@ def translate_sample(model: EncoderDecoder, params, inputs: Array, rng: Array, *
       [B, S + max_extra] sampled token ids, PAD after EOS.
     """
     _check_model(model, EncoderDecoder)
-    decoding.check_sampling(temperature, top_k, top_p)
-    sampling = (rng, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+    sampling = _sampling(rng, temperature, top_k, top_p)
     return _translate_sample(model, params, inputs, sampling, max_extra=max_extra, eos_id=eos_id,
                              use_cache=use_cache)
 
@@ -350,8 +355,7 @@ def generate(model: DecoderOnly, params, prompts: Array, *, max_new_tokens: int,
                          max_new_tokens=max_new_tokens, eos_id=eos_id, use_cache=use_cache)
     if rng is None:
         raise ValueError("generate: sampling needs rng (a PRNG key), or pass greedy=True")
-    decoding.check_sampling(temperature, top_k, top_p)
-    sampling = (rng, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+    sampling = _sampling(rng, temperature, top_k, top_p)
     return _generate(model, params, prompts, prompt_lengths, sampling,
                      max_new_tokens=max_new_tokens, eos_id=eos_id, use_cache=use_cache)
 

@@ -17,6 +17,7 @@ import sys  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from transformer_zoo.train.cli import one_line  # noqa: E402
 from transformer_zoo.train.loop import NonFiniteLossError, train_and_evaluate  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -25,20 +26,12 @@ flags.DEFINE_string("workdir", None, "Run directory: checkpoints, tokenizer, met
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _one_line(err: BaseException) -> str:
-    """The innermost message of `err` (ml_collections wraps a KeyError) on one line."""
-    while err.args and isinstance(err.args[0], BaseException):
-        err = err.args[0]
-    text = str(err.args[0]) if err.args else str(err)
-    return " ".join(text.replace("\\n", "\n").split())
-
-
 def _parse_flags(argv):
     """absl's flag parsing; a misspelt or badly typed --config.* override is one line."""
     try:
         return FLAGS(argv)
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as err:
-        print(f"error: bad flags: {_one_line(err)}", file=sys.stderr)
+        print(f"error: bad flags: {one_line(err)}", file=sys.stderr)
         sys.exit(1)
 
 
@@ -50,7 +43,7 @@ def main(argv):
     try:
         train_and_evaluate(FLAGS.config, FLAGS.workdir)
     except (NonFiniteLossError, ValueError, FileNotFoundError) as err:
-        print(f"error: {_one_line(err)}", file=sys.stderr)
+        print(f"error: {one_line(err)}", file=sys.stderr)
         sys.exit(1)
 
 

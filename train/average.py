@@ -21,7 +21,7 @@ from pathlib import Path
 from absl import flags
 
 from transformer_zoo.train.checkpoint import average_checkpoints
-from transformer_zoo.train.decode import one_line, parse_flags
+from transformer_zoo.train.cli import one_line, parse_flags
 from transformer_zoo.train.input import tokenizer_dir
 from transformer_zoo.train.predict import load_run
 

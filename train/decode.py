@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 from absl import flags
 
+from transformer_zoo.train.cli import one_line, parse_flags
 from transformer_zoo.train.parallel import kernels_for
 from transformer_zoo.train.predict import DecodeOptions, Search, decode_options, load_run, score
 
@@ -75,33 +76,6 @@ def define_flags(fv: flags.FlagValues) -> None:
                          "100).", **kw)
     flags.DEFINE_integer("batch_size", 64, "Inputs decoded together.", lower_bound=1, **kw)
     flags.mark_flags_as_required(["workdir", "input"], flag_values=fv)
-
-
-def parse_flags(prog: str, doc: str, define: Callable[[flags.FlagValues], None],
-                argv: Sequence[str]) -> flags.FlagValues | None:
-    """Parses `argv` (without the program name) into fresh absl FlagValues.
-
-    Returns:
-      the parsed flags, or None after printing the help for --help / -h.
-
-    Raises:
-      flags.Error: unknown flag, bad value, missing required flag or a
-        positional argument.
-    """
-    fv = flags.FlagValues()
-    define(fv)
-    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
-        print(f"{doc.strip()}\n\nFlags:\n{fv.get_help()}")
-        return None
-    rest = fv([prog, *argv])
-    if len(rest) > 1:
-        raise flags.Error(f"unexpected positional arguments {rest[1:]} (flags are --name=value)")
-    return fv
-
-
-def one_line(err: Exception) -> str:
-    """`err`'s message on one line, for `error: ...` on stderr."""
-    return " ".join(str(err).split())
 
 
 def _read_lines(path: str) -> list[str]:

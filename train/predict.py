@@ -401,7 +401,7 @@ class LoadedRun:
                    batch_size: int = 64) -> list[list[Hypothesis]]:
         """Per input, its list of Hypothesis under `options` (args as in `decode`)."""
         _positive("batch_size", batch_size)
-        if self.family not in GENERATING_FAMILIES:
+        if not get_task(self.family).generates:
             raise ValueError(f"a {self.family} run does not generate")
         if self.family == "encoder_decoder":
             _check_unused("max_new_tokens", max_new_tokens, self.family, "max_extra")

@@ -14,6 +14,8 @@ import enum
 from typing import NamedTuple
 
 from transformer_zoo.models.decoding import check_sampling
+from transformer_zoo.models.variants import parse
+from transformer_zoo.train.tasks import TASKS
 
 
 class Search(enum.StrEnum):
@@ -24,7 +26,7 @@ class Search(enum.StrEnum):
     SAMPLE = "sample"  # ancestral sampling with temperature, top-k, top-p; several samples
 
 
-GENERATING_FAMILIES = ("encoder_decoder", "decoder_only")
+GENERATING_FAMILIES = tuple(family.value for family, task in TASKS.items() if task.generates)
 
 # The options each search uses (their defaults are DecodeOptions').
 _BEAM_OPTIONS = ("beam_size", "alpha", "n_best")
@@ -61,7 +63,7 @@ class DecodeOptions:
     num_samples: int = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "search", _as_search(self.search))
+        object.__setattr__(self, "search", parse(Search, self.search, "search"))
         _check_types({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                       if f.name != "search"})
         _check_values(self)
@@ -99,7 +101,7 @@ def decode_options(family: str, *, search: Search | str | None = None,
                  top_k=top_k, top_p=top_p, seed=seed, num_samples=num_samples)
     given = {k: v for k, v in given.items() if v is not None}
     _check_types(given)
-    search = _infer_search(family, given) if search is None else _as_search(search)
+    search = _infer_search(family, given) if search is None else parse(Search, search, "search")
     for name, value in given.items():
         neutral = _NEUTRAL.get(name) == value or (name, value, search) == (
             "temperature", 0, Search.GREEDY)
@@ -108,14 +110,6 @@ def decode_options(family: str, *, search: Search | str | None = None,
             raise ValueError(f"{name}={value!r} does not apply to search={search.value} "
                              f"({kind} option)")
     return DecodeOptions(search=search, **{k: v for k, v in given.items() if k in _OPTIONS[search]})
-
-
-def _as_search(search) -> Search:
-    try:
-        return Search(search)
-    except ValueError:
-        raise ValueError(f"search must be one of {[s.value for s in Search]}, got {search!r}") \
-            from None
 
 
 def _check_types(given: dict) -> None:

@@ -42,10 +42,16 @@ def _weights(batch, feature: str) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """What train/ needs to know about a family (subclassed once per family)."""
+    """What train/ needs to know about a family (subclassed once per family).
+
+    `features` are the model's token inputs in the order of its call; each
+    comes with optional `<feature>_segmentation` and `<feature>_position`
+    arrays of the same shape, which `model_inputs` passes by keyword.
+    """
 
     family: ClassVar[Family]
     model_class: ClassVar[type[nn.Module]]
+    features: ClassVar[tuple[str, ...]]
     generates: ClassVar[bool]  # decodes text (translation, continuation)
 
     def build(self, model_config: ModelConfig) -> nn.Module:
@@ -54,70 +60,50 @@ class Task:
 
     def dummy_batch(self, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
         """Model inputs of the right structure for initialisation (no labels)."""
-        raise NotImplementedError
+        ids, pos = _ids(batch_size, length)
+        return {key: value for f in self.features for key, value in
+                ((f, ids), (f"{f}_segmentation", ids), (f"{f}_position", pos))}
+
+    def model_inputs(self, batch) -> dict[str, Array]:
+        """The model's keyword arguments from a data/ batch (None where absent)."""
+        return {key: batch[key] if key == f else batch.get(key) for f in self.features
+                for key in (f, f"{f}_segmentation", f"{f}_position")}
 
     def forward(self, model, params, batch, *, deterministic: bool, rngs=None):
-        """(logits [B, T, C] float32, targets [B, T], weights [B, T]) for the loss."""
-        raise NotImplementedError
+        """(logits [B, T, C] float32, targets [B, T], weights [B, T]) for the loss:
+        next-token prediction of the targets (the generating families)."""
+        logits = model.apply({"params": params}, **self.model_inputs(batch),
+                             deterministic=deterministic, rngs=rngs)
+        return logits, batch["targets"], _weights(batch, "targets")
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderDecoderTask(Task):
     family: ClassVar[Family] = Family.ENCODER_DECODER
     model_class: ClassVar[type[nn.Module]] = EncoderDecoder
+    features: ClassVar[tuple[str, ...]] = ("inputs", "targets")
     generates: ClassVar[bool] = True
-
-    def dummy_batch(self, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
-        ids, pos = _ids(batch_size, length)
-        return dict(inputs=ids, targets=ids, inputs_segmentation=ids, targets_segmentation=ids,
-                    inputs_position=pos, targets_position=pos)
-
-    def forward(self, model, params, batch, *, deterministic: bool, rngs=None):
-        logits = model.apply(
-            {"params": params}, inputs=batch["inputs"], targets=batch["targets"],
-            inputs_segmentation=batch.get("inputs_segmentation"),
-            targets_segmentation=batch.get("targets_segmentation"),
-            inputs_position=batch.get("inputs_position"),
-            targets_position=batch.get("targets_position"),
-            deterministic=deterministic, rngs=rngs)
-        return logits, batch["targets"], _weights(batch, "targets")
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderOnlyTask(Task):
     family: ClassVar[Family] = Family.DECODER_ONLY
     model_class: ClassVar[type[nn.Module]] = DecoderOnly
+    features: ClassVar[tuple[str, ...]] = ("targets",)
     generates: ClassVar[bool] = True
-
-    def dummy_batch(self, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
-        ids, pos = _ids(batch_size, length)
-        return dict(targets=ids, targets_segmentation=ids, targets_position=pos)
-
-    def forward(self, model, params, batch, *, deterministic: bool, rngs=None):
-        logits = model.apply(
-            {"params": params}, targets=batch["targets"],
-            targets_segmentation=batch.get("targets_segmentation"),
-            targets_position=batch.get("targets_position"),
-            deterministic=deterministic, rngs=rngs)
-        return logits, batch["targets"], _weights(batch, "targets")
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderOnlyTask(Task):
     family: ClassVar[Family] = Family.ENCODER_ONLY
     model_class: ClassVar[type[nn.Module]] = EncoderOnly
+    features: ClassVar[tuple[str, ...]] = ("inputs",)
     generates: ClassVar[bool] = False
 
-    def dummy_batch(self, batch_size: int = 1, length: int = 8) -> dict[str, Array]:
-        ids, pos = _ids(batch_size, length)
-        return dict(inputs=ids, inputs_segmentation=ids, inputs_position=pos)
-
     def forward(self, model, params, batch, *, deterministic: bool, rngs=None):
-        out = model.apply(
-            {"params": params}, inputs=batch["inputs"],
-            inputs_segmentation=batch.get("inputs_segmentation"),
-            inputs_position=batch.get("inputs_position"),
-            deterministic=deterministic, rngs=rngs)
+        """Token labels [B, S], or one class per sequence when `labels` is [B]."""
+        out = model.apply({"params": params}, **self.model_inputs(batch),
+                          deterministic=deterministic, rngs=rngs)
         labels = batch["labels"]
         if labels.ndim == 1:  # sequence classification
             return out["class_logits"][:, None], labels[:, None], jnp.ones(labels[:, None].shape)
