@@ -3,7 +3,10 @@
 The three families (EncoderDecoder, DecoderOnly, EncoderOnly) read the fields
 they need. Variant fields take a member of their `models.variants` enum or its
 string and hold the member after construction (`position_encoding`, `norm`,
-`norm_position`, `ffn_activation`, `score_fn`, `attention_impl`, `kernels`).
+`norm_position`, `ffn_activation`, `score_fn`, `pooling`, `attention_impl`,
+`kernels`). The fields after `num_classes` that default to off (token types,
+the embedding norm, the pooler, the MLM transform, the output bias) exist for
+published checkpoints (BERT, GPT-2, Marian; train/hf/).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from transformer_zoo.models.variants import (
     Kernels,
     Norm,
     NormPosition,
+    Pooling,
     PositionEncoding,
     ScoreFn,
     parse,
@@ -32,6 +36,7 @@ VARIANT_FIELDS = {
     "norm_position": NormPosition,
     "position_encoding": PositionEncoding,
     "score_fn": ScoreFn,
+    "pooling": Pooling,
     "kernels": Kernels,
 }
 
@@ -55,12 +60,14 @@ class ModelConfig:
         embeddings + positions (the paper's P_drop).
       attention_dropout_rate: dropout on attention weights.
       activation_dropout_rate: dropout on the FFN hidden activations.
-      ffn_activation: relu (paper), gelu, swiglu or geglu.
+      ffn_activation: relu (paper), gelu (tanh approximation), gelu_exact
+        (erf), silu, swiglu or geglu.
       norm: layernorm or rmsnorm.
       norm_epsilon: epsilon of the norms.
       norm_position: post (paper: LayerNorm(x + Dropout(Sublayer(x)))) or pre
         (x + Dropout(Sublayer(LayerNorm(x))), with a final norm).
-      position_encoding: sinusoidal, learned, rope, alibi or none.
+      position_encoding: sinusoidal, sinusoidal_concat (sines, then cosines:
+        Marian), learned, rope, alibi or none.
       max_length: rows of the learned position table (and the longest input
         any family accepts with learned positions).
       rope_base: RoPE's base frequency.
@@ -75,8 +82,21 @@ class ModelConfig:
       tie_output: the pre-softmax projection reuses the decoder embedding.
       scale_embeddings: multiply embeddings by sqrt(D).
       num_classes: classes of EncoderOnly's pooled head (None = no head).
+      type_vocab_size: rows of a token-type (segment A/B) embedding added to
+        the token embeddings (BERT: 2); 0 = none.
+      embedding_norm: a norm on embeddings + positions, before dropout (BERT).
+      pooling: which vector EncoderOnly's pooler reads: mean (of the first
+        segment) or first (BERT's [CLS]).
+      pooler: EncoderOnly's tanh pooler (dense D -> D) even without num_classes;
+        its output is returned as "pooled" (BERT's pooler_output).
+      mlm_transform: EncoderOnly's token head first applies dense D -> D, the
+        FFN activation and a norm (BERT's masked-LM prediction head).
+      output_bias: a learned bias over the vocabulary added to the logits
+        (Marian's final_logits_bias, BERT's MLM bias).
       pad_id: padding id (masks are built from it).
-      bos_id: the id the decoder input starts with (shift right).
+      bos_id: the id the decoder input starts with (shift right; Marian and
+        T5 start with their pad id).
+      eos_id: end of sequence (decoding stops there).
       dtype: compute dtype (activations); softmax and logits stay float32.
       param_dtype: parameter dtype.
       kernels: PORTABLE (plain JAX, every platform and transform) or CPU (the
@@ -112,8 +132,15 @@ class ModelConfig:
     tie_output: bool = True
     scale_embeddings: bool = True
     num_classes: int | None = None
+    type_vocab_size: int = 0
+    embedding_norm: bool = False
+    pooling: Pooling = Pooling.MEAN
+    pooler: bool = False
+    mlm_transform: bool = False
+    output_bias: bool = False
     pad_id: int = 0
     bos_id: int = 2
+    eos_id: int = 1
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     kernels: Kernels = Kernels.PORTABLE
@@ -167,6 +194,12 @@ def _validate(cfg: ModelConfig) -> None:
     for field in ("dropout_rate", "attention_dropout_rate", "activation_dropout_rate"):
         if not 0.0 <= getattr(cfg, field) < 1.0:
             raise ValueError(f"ModelConfig.{field} must be in [0, 1), got {getattr(cfg, field)}")
+    if cfg.type_vocab_size < 0:
+        raise ValueError(f"ModelConfig.type_vocab_size must be >= 0, got {cfg.type_vocab_size}")
+    for field in ("pad_id", "bos_id", "eos_id"):
+        if getattr(cfg, field) < 0:
+            raise ValueError(f"ModelConfig.{field} must be a token id >= 0, got "
+                             f"{getattr(cfg, field)}")
     if cfg.attention_window is not None and cfg.attention_window < 1:
         raise ValueError(f"ModelConfig.attention_window must be >= 1, got {cfg.attention_window}")
     if cfg.attention_impl == AttentionImpl.LOCAL and cfg.attention_window is None:

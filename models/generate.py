@@ -43,6 +43,11 @@ from transformer_zoo.models.variants import Kernels
 Array = Any
 
 
+def _eos(model, eos_id: int | None) -> int:
+    """The end-of-sequence id: as given, else the model config's."""
+    return model.config.eos_id if eos_id is None else eos_id
+
+
 def _check_model(model, family) -> None:
     if not isinstance(model, family):
         raise TypeError(f"expected a {family.__name__}, got {type(model).__name__}")
@@ -137,7 +142,7 @@ def _source_limits(model, inputs, max_extra):
 @functools.partial(jax.jit, static_argnums=0,
                    static_argnames=("beam_size", "alpha", "max_extra", "eos_id", "use_cache"))
 def translate_beams(model: EncoderDecoder, params, inputs: Array, *, beam_size: int = 4,
-                    alpha: float = 0.6, max_extra: int = 50, eos_id: int = 1,
+                    alpha: float = 0.6, max_extra: int = 50, eos_id: int | None = None,
                     use_cache: bool = True) -> tuple[Array, Array]:
     """Beam search translation, all beams.
 
@@ -149,7 +154,7 @@ def translate_beams(model: EncoderDecoder, params, inputs: Array, *, beam_size: 
       alpha: GNMT length penalty exponent.
       max_extra: a sentence of n source tokens gets at most n + max_extra
         target tokens (the buffer holds S + max_extra).
-      eos_id: end of sequence (-1: never stop early).
+      eos_id: end of sequence (None: config.eos_id; -1: never stop early).
       use_cache: KV-cached steps, or full recomputation.
 
     Returns:
@@ -159,13 +164,13 @@ def translate_beams(model: EncoderDecoder, params, inputs: Array, *, beam_size: 
     max_len = inputs.shape[1] + max_extra
     step, state, first = prepare_translation(model, params, inputs, max_len, use_cache=use_cache)
     return decoding.beam_search(step, state, first, max_len, beam_size=beam_size, alpha=alpha,
-                                eos_id=eos_id, pad_id=model.config.pad_id,
+                                eos_id=_eos(model, eos_id), pad_id=model.config.pad_id,
                                 max_lens=_source_limits(model, inputs, max_extra),
                                 per_source=per_source_leaf)
 
 
 def translate(model: EncoderDecoder, params, inputs: Array, *, beam_size: int = 4,
-              alpha: float = 0.6, max_extra: int = 50, eos_id: int = 1,
+              alpha: float = 0.6, max_extra: int = 50, eos_id: int | None = None,
               use_cache: bool = True) -> Array:
     """Beam search translation (the paper: beam 4, alpha 0.6, source length + 50).
 
@@ -181,11 +186,11 @@ def translate(model: EncoderDecoder, params, inputs: Array, *, beam_size: int = 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("max_extra", "eos_id", "use_cache"))
 def translate_greedy(model: EncoderDecoder, params, inputs: Array, *, max_extra: int = 50,
-                     eos_id: int = 1, use_cache: bool = True) -> Array:
+                     eos_id: int | None = None, use_cache: bool = True) -> Array:
     """Greedy translation: [B, S] sources -> [B, S + max_extra] ids, PAD after EOS."""
     max_len = inputs.shape[1] + max_extra
     step, state, first = prepare_translation(model, params, inputs, max_len, use_cache=use_cache)
-    return decoding.greedy_search(step, state, first, max_len, eos_id=eos_id,
+    return decoding.greedy_search(step, state, first, max_len, eos_id=_eos(model, eos_id),
                                   pad_id=model.config.pad_id,
                                   max_lens=_source_limits(model, inputs, max_extra))
 
@@ -198,7 +203,8 @@ def _sampling(rng, temperature, top_k, top_p) -> tuple:
 
 def translate_sample(model: EncoderDecoder, params, inputs: Array, rng: Array, *,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     max_extra: int = 50, eos_id: int = 1, use_cache: bool = True) -> Array:
+                     max_extra: int = 50, eos_id: int | None = None,
+                     use_cache: bool = True) -> Array:
     """Sampled translations (temperature, top-k, nucleus) over `decoding.sample`.
 
     One compilation serves every temperature / top_k / top_p (they are traced).
@@ -213,7 +219,7 @@ def translate_sample(model: EncoderDecoder, params, inputs: Array, rng: Array, *
       top_k: sample among the k most likely tokens (0: off).
       top_p: nucleus mass (1.0: off).
       max_extra: at most source length + max_extra target tokens.
-      eos_id: end of sequence (-1: never stop early).
+      eos_id: end of sequence (None: config.eos_id; -1: never stop early).
       use_cache: KV-cached steps, or full recomputation.
 
     Returns:
@@ -231,7 +237,7 @@ def _translate_sample(model, params, inputs, sampling, *, max_extra, eos_id, use
     max_len = inputs.shape[1] + max_extra
     step, state, first = prepare_translation(model, params, inputs, max_len, use_cache=use_cache)
     return decoding.sample(step, state, first, max_len, rng, temperature=temperature, top_k=top_k,
-                           top_p=top_p, eos_id=eos_id, pad_id=model.config.pad_id,
+                           top_p=top_p, eos_id=_eos(model, eos_id), pad_id=model.config.pad_id,
                            max_lens=_source_limits(model, inputs, max_extra))
 
 
@@ -327,8 +333,8 @@ def prepare_generation(model: DecoderOnly, params, prompts: Array, max_new_token
 
 def generate(model: DecoderOnly, params, prompts: Array, *, max_new_tokens: int,
              greedy: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             rng: Array | None = None, eos_id: int = 1, prompt_lengths: Array | None = None,
-             use_cache: bool = True) -> Array:
+             rng: Array | None = None, eos_id: int | None = None,
+             prompt_lengths: Array | None = None, use_cache: bool = True) -> Array:
     """Continues each prompt by greedy decoding or sampling.
 
     One compilation serves every temperature / top_k / top_p (they are traced).
@@ -343,7 +349,7 @@ def generate(model: DecoderOnly, params, prompts: Array, *, max_new_tokens: int,
       top_k: sample among the k most likely tokens (0: off).
       top_p: nucleus mass (1.0: off).
       rng: PRNG key, or [B] keys (one per row), required unless greedy.
-      eos_id: end of sequence (-1: never stop early).
+      eos_id: end of sequence (None: config.eos_id; -1: never stop early).
       prompt_lengths: optional [B] prompt lengths (default: non-PAD count).
       use_cache: KV-cached steps, or full recomputation.
 
@@ -367,7 +373,7 @@ def _generate(model, params, prompts, prompt_lengths, sampling, *, max_new_token
     """Greedy when `sampling` is None, else (rng, temperature, top_k, top_p)."""
     step, state, first = prepare_generation(model, params, prompts, max_new_tokens,
                                             prompt_lengths=prompt_lengths, use_cache=use_cache)
-    kw = dict(eos_id=eos_id, pad_id=model.config.pad_id)
+    kw = dict(eos_id=_eos(model, eos_id), pad_id=model.config.pad_id)
     if sampling is None:
         return decoding.greedy_search(step, state, first, max_new_tokens, **kw)
     rng, temperature, top_k, top_p = sampling
@@ -388,7 +394,7 @@ def per_prompt_leaf(path: tuple) -> bool:
 @functools.partial(jax.jit, static_argnums=0,
                    static_argnames=("max_new_tokens", "beam_size", "alpha", "eos_id", "use_cache"))
 def generate_beams(model: DecoderOnly, params, prompts: Array, *, max_new_tokens: int,
-                   beam_size: int = 4, alpha: float = 0.6, eos_id: int = 1,
+                   beam_size: int = 4, alpha: float = 0.6, eos_id: int | None = None,
                    prompt_lengths: Array | None = None,
                    use_cache: bool = True) -> tuple[Array, Array]:
     """Beam search continuations of each prompt, all beams (`decoding.beam_search`).
@@ -404,7 +410,7 @@ def generate_beams(model: DecoderOnly, params, prompts: Array, *, max_new_tokens
       max_new_tokens: tokens to generate at most.
       beam_size: beams per prompt.
       alpha: GNMT length penalty exponent (>= 0).
-      eos_id: end of sequence (-1: never stop early).
+      eos_id: end of sequence (None: config.eos_id; -1: never stop early).
       prompt_lengths: optional [B] prompt lengths (default: non-PAD count).
       use_cache: KV-cached steps, or full recomputation.
 
@@ -415,5 +421,5 @@ def generate_beams(model: DecoderOnly, params, prompts: Array, *, max_new_tokens
     step, state, first = prepare_generation(model, params, prompts, max_new_tokens,
                                             prompt_lengths=prompt_lengths, use_cache=use_cache)
     return decoding.beam_search(step, state, first, max_new_tokens, beam_size=beam_size,
-                                alpha=alpha, eos_id=eos_id, pad_id=model.config.pad_id,
+                                alpha=alpha, eos_id=_eos(model, eos_id), pad_id=model.config.pad_id,
                                 per_source=per_prompt_leaf)

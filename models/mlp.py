@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -18,6 +19,8 @@ Array = Any
 ACTIVATIONS = {
     FfnActivation.RELU: (nn.relu, False),
     FfnActivation.GELU: (nn.gelu, False),
+    FfnActivation.GELU_EXACT: (functools.partial(nn.gelu, approximate=False), False),
+    FfnActivation.SILU: (nn.silu, False),
     FfnActivation.SWIGLU: (nn.silu, True),
     FfnActivation.GEGLU: (nn.gelu, True),
 }
@@ -35,7 +38,7 @@ def dense(features, in_axis: str, out_axis: str, *, use_bias: bool, dtype, param
 
 
 class FeedForward(nn.Module):
-    """The paper's FFN (ReLU) and its GELU / SwiGLU / GeGLU variants.
+    """The paper's FFN (ReLU) and its GELU / SiLU / SwiGLU / GeGLU variants.
 
     Attributes:
       d_ff: hidden width F.

@@ -20,22 +20,27 @@ from transformer_zoo.models import axes
 Array = Any
 
 
-def sinusoidal_encoding(positions: Array, features: int, max_timescale: float = 10000.0) -> Array:
+def sinusoidal_encoding(positions: Array, features: int, max_timescale: float = 10000.0, *,
+                        concat: bool = False) -> Array:
     """The paper's encoding, PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(...).
 
     Args:
       positions: [B, T] int positions.
       features: D (even).
       max_timescale: the 10000 of the paper.
+      concat: the tensor2tensor / Marian layout instead: the D/2 sines in the
+        first half, the D/2 cosines in the second (same frequencies).
 
     Returns:
-      [B, T, D] float32, sines on even and cosines on odd dimensions.
+      [B, T, D] float32, sines on even and cosines on odd dimensions (or in halves).
     """
     if features % 2:
         raise ValueError(f"sinusoidal encoding needs an even d_model, got {features}")
     i = jnp.arange(features // 2, dtype=jnp.float32)
     inv_freq = jnp.exp(-math.log(max_timescale) * 2.0 * i / features)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    if concat:
+        return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*angles.shape[:-1], -1)
 
 

@@ -19,10 +19,10 @@ from transformer_zoo.models.config import ModelConfig
 from transformer_zoo.models.dropout import Dropout
 from transformer_zoo.models.embedding import Embed
 from transformer_zoo.models.masks import AttentionMask
-from transformer_zoo.models.mlp import dense
+from transformer_zoo.models.mlp import ACTIVATIONS, dense
 from transformer_zoo.models.norms import make_norm
 from transformer_zoo.models.positional import LearnedPositionalEmbedding, sinusoidal_encoding
-from transformer_zoo.models.variants import NormPosition, PositionEncoding
+from transformer_zoo.models.variants import FfnActivation, NormPosition, Pooling, PositionEncoding
 
 Array = Any
 
@@ -46,25 +46,51 @@ def shift_right(targets: Array, bos_id: int, positions: Array | None = None) -> 
 
 
 class Embedder(nn.Module):
-    """Token embedding x sqrt(D) + absolute positions, then dropout."""
+    """Token embedding (x sqrt(D)) + absolute positions (+ token types), then dropout.
+
+    With `embedding_norm`, the sum is normalised before dropout (BERT).
+    """
 
     config: ModelConfig
     embed: Embed
 
     @nn.compact
-    def __call__(self, ids: Array, positions: Array, *, deterministic: bool) -> Array:
+    def __call__(self, ids: Array, positions: Array, token_types: Array | None = None, *,
+                 deterministic: bool) -> Array:
         cfg = self.config
         if cfg.position_encoding == PositionEncoding.LEARNED and ids.shape[1] > cfg.max_length:
             raise ValueError(f"sequence length {ids.shape[1]} > max_length={cfg.max_length}")
         x = self.embed(ids)
-        if cfg.position_encoding == PositionEncoding.SINUSOIDAL:
-            x = x + sinusoidal_encoding(positions, cfg.d_model).astype(cfg.dtype)
+        if cfg.position_encoding in _SINUSOIDS:
+            concat = cfg.position_encoding == PositionEncoding.SINUSOIDAL_CONCAT
+            x = x + sinusoidal_encoding(positions, cfg.d_model, concat=concat).astype(cfg.dtype)
         elif cfg.position_encoding == PositionEncoding.LEARNED:
             table = LearnedPositionalEmbedding(cfg.max_length, cfg.d_model, cfg.param_dtype,
                                                name="pos_embedding")
             x = x + table(positions).astype(cfg.dtype)
+        if cfg.type_vocab_size:
+            types = jnp.zeros_like(ids) if token_types is None else token_types
+            table = Embed(cfg.type_vocab_size, cfg.d_model, False, cfg.dtype, cfg.param_dtype,
+                          name="type_embedding")
+            x = x + table(types)
+        if cfg.embedding_norm:
+            x = make_norm(cfg.norm, cfg.norm_epsilon, cfg.dtype, cfg.param_dtype,
+                          name="embedding_norm")(x)
         x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         return nn.with_logical_constraint(x, (axes.BATCH, axes.LENGTH, axes.EMBED))
+
+
+_SINUSOIDS = (PositionEncoding.SINUSOIDAL, PositionEncoding.SINUSOIDAL_CONCAT)
+
+
+def _output_bias(cfg: ModelConfig, module: nn.Module, logits: Array, vocab: int) -> Array:
+    """logits + a learned [V] bias when config.output_bias (float32)."""
+    if not cfg.output_bias:
+        return logits
+    bias = module.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                    (axes.VOCAB,)),
+                        (vocab,), cfg.param_dtype)
+    return logits + bias.astype(jnp.float32)
 
 
 def _final_norm(cfg: ModelConfig, x: Array) -> Array:
@@ -85,11 +111,12 @@ class Encoder(nn.Module):
     embed: Embed
 
     @nn.compact
-    def __call__(self, inputs, segmentation, positions, *, deterministic: bool = True):
-        """inputs [B, S] -> encoded [B, S, D]."""
+    def __call__(self, inputs, segmentation, positions, token_types=None, *,
+                 deterministic: bool = True):
+        """inputs [B, S] (token_types [B, S] or None) -> encoded [B, S, D]."""
         cfg = self.config
         embedder = Embedder(cfg, self.embed, name="embedder")
-        x = embedder(inputs, positions, deterministic=deterministic)
+        x = embedder(inputs, positions, token_types, deterministic=deterministic)
         mask = AttentionMask(q_positions=positions, kv_positions=positions,
                              q_segment_ids=segmentation, kv_segment_ids=segmentation,
                              window=cfg.attention_window)
@@ -129,10 +156,10 @@ class Decoder(nn.Module):
             )
         x = _final_norm(cfg, x)
         if cfg.tie_output:
-            return self.embed.attend(x, decode=decode)
+            return _output_bias(cfg, self, self.embed.attend(x, decode=decode), cfg.vocab_size)
         head = dense(cfg.vocab_size, axes.EMBED, axes.VOCAB, use_bias=False, kernels=cfg.kernels,
                      dtype=jnp.float32, param_dtype=cfg.param_dtype, name="logits")
-        return head(x.astype(jnp.float32))
+        return _output_bias(cfg, self, head(x.astype(jnp.float32)), cfg.vocab_size)
 
     def _decode_positions(self, tokens, positions):
         """Absolute positions while decoding: given, or counted in the cache."""
@@ -245,35 +272,69 @@ class DecoderOnly(nn.Module):
 
 
 class EncoderOnly(nn.Module):
-    """Bidirectional encoder with a token-level head and a pooled classifier."""
+    """Bidirectional encoder with a token-level head and a pooled classifier (BERT-style)."""
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, inputs, inputs_segmentation=None, inputs_position=None, *,
-                 deterministic: bool = True) -> dict[str, Array]:
-        """Returns {"token_logits": [B, S, V]} and, with num_classes, {"class_logits": [B, C]}."""
+                 token_types=None, deterministic: bool = True) -> dict[str, Array]:
+        """The encoder's outputs for inputs [B, S].
+
+        Args:
+          inputs: [B, S] token ids.
+          inputs_segmentation: [B, S] segment ids (default: 1 on tokens, 0 on PAD).
+          inputs_position: [B, S] positions (default 0..S-1).
+          token_types: [B, S] token-type ids (config.type_vocab_size; default 0).
+          deterministic: disables dropout.
+
+        Returns:
+          {"hidden": [B, S, D] final encoder states, "token_logits": [B, S, V]
+          float32}, plus "pooled" [B, D] with config.pooler or num_classes, and
+          "class_logits" [B, C] float32 with num_classes.
+        """
         cfg = self.config
         embed = _make_embed(cfg, cfg.resolved_input_vocab_size, "embed")
         seg, pos = _ids_defaults(cfg, inputs, inputs_segmentation, inputs_position)
-        x = Encoder(cfg, embed, name="encoder")(inputs, seg, pos, deterministic=deterministic)
-        token_logits = embed.attend(x) if cfg.tie_output else dense(
-            cfg.resolved_input_vocab_size, axes.EMBED, axes.VOCAB, use_bias=False,
-            kernels=cfg.kernels, dtype=jnp.float32, param_dtype=cfg.param_dtype,
-            name="token_head")(x)
-        out = {"token_logits": token_logits}
+        x = Encoder(cfg, embed, name="encoder")(inputs, seg, pos, token_types,
+                                                deterministic=deterministic)
+        out = {"hidden": x, "token_logits": self._token_logits(embed, x)}
+        if cfg.num_classes or cfg.pooler:
+            out["pooled"] = self._pool(x, seg)
         if cfg.num_classes:
-            out["class_logits"] = self._classify(x, seg, deterministic)
+            pooled = Dropout(cfg.dropout_rate)(out["pooled"], deterministic=deterministic)
+            head = dense(cfg.num_classes, axes.EMBED, axes.CLASSES, name="classifier",
+                         **self._dense_kw())
+            out["class_logits"] = head(pooled).astype(jnp.float32)
         return out
 
-    def _classify(self, x, seg, deterministic):
-        """Mean over the first segment's tokens -> tanh pooler -> classes."""
+    def _dense_kw(self) -> dict:
         cfg = self.config
-        weights = (seg == 1).astype(jnp.float32)[..., None]
-        pooled = (x.astype(jnp.float32) * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
-        kw = dict(use_bias=True, kernels=cfg.kernels, dtype=cfg.dtype,
-                  param_dtype=cfg.param_dtype)
-        pooled = jnp.tanh(dense(cfg.d_model, axes.EMBED, axes.EMBED, name="pooler", **kw)(pooled))
-        pooled = Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
-        head = dense(cfg.num_classes, axes.EMBED, axes.CLASSES, name="classifier", **kw)
-        return head(pooled).astype(jnp.float32)
+        return dict(use_bias=True, kernels=cfg.kernels, dtype=cfg.dtype,
+                    param_dtype=cfg.param_dtype)
+
+    def _token_logits(self, embed: Embed, x: Array) -> Array:
+        """[B, S, D] -> [B, S, V] float32 (BERT's MLM head with mlm_transform)."""
+        cfg = self.config
+        if cfg.mlm_transform:
+            act, _ = ACTIVATIONS[FfnActivation(cfg.ffn_activation)]
+            x = act(dense(cfg.d_model, axes.EMBED, axes.EMBED, name="mlm_dense",
+                          **self._dense_kw())(x))
+            x = make_norm(cfg.norm, cfg.norm_epsilon, cfg.dtype, cfg.param_dtype,
+                          name="mlm_norm")(x)
+        vocab = cfg.resolved_input_vocab_size
+        logits = embed.attend(x) if cfg.tie_output else dense(
+            vocab, axes.EMBED, axes.VOCAB, use_bias=False, kernels=cfg.kernels,
+            dtype=jnp.float32, param_dtype=cfg.param_dtype, name="token_head")(x)
+        return _output_bias(cfg, self, logits, vocab)
+
+    def _pool(self, x, seg):
+        """The first token, or the mean over the first segment's tokens -> tanh pooler."""
+        cfg = self.config
+        if cfg.pooling == Pooling.FIRST:
+            pooled = x[:, 0].astype(jnp.float32)
+        else:
+            weights = (seg == 1).astype(jnp.float32)[..., None]
+            pooled = (x.astype(jnp.float32) * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
+        pooler = dense(cfg.d_model, axes.EMBED, axes.EMBED, name="pooler", **self._dense_kw())
+        return jnp.tanh(pooler(pooled))

@@ -20,6 +20,9 @@ class PositionEncoding(enum.StrEnum):
     """How token order enters: added to the embeddings, or inside attention."""
 
     SINUSOIDAL = "sinusoidal"  # the paper's fixed encoding, added to the embeddings
+    # The same frequencies with all sines first, then all cosines (tensor2tensor,
+    # Marian / OPUS-MT): one permutation of the dimensions away from SINUSOIDAL.
+    SINUSOIDAL_CONCAT = "sinusoidal_concat"
     LEARNED = "learned"  # a learned table of max_length rows, added
     ROPE = "rope"  # rotates queries and keys (self-attention)
     ALIBI = "alibi"  # per-head linear distance bias on the scores (self-attention)
@@ -38,9 +41,18 @@ class NormPosition(enum.StrEnum):
 
 class FfnActivation(enum.StrEnum):
     RELU = "relu"  # the paper
-    GELU = "gelu"
+    GELU = "gelu"  # tanh approximation (GPT-2's "gelu_new")
+    GELU_EXACT = "gelu_exact"  # x * Phi(x) with erf (BERT's "gelu")
+    SILU = "silu"  # x * sigmoid(x), not gated (Marian's "swish")
     SWIGLU = "swiglu"  # gated (Shazeer 2020): silu(x W) * (x V)
     GEGLU = "geglu"  # gated: gelu(x W) * (x V)
+
+
+class Pooling(enum.StrEnum):
+    """Which vector of the encoder output EncoderOnly's pooler reads."""
+
+    MEAN = "mean"  # the mean over the first segment's tokens
+    FIRST = "first"  # the first token (BERT's [CLS])
 
 
 class ScoreFn(enum.StrEnum):

@@ -40,6 +40,9 @@ RECORDED_BASE = {
     "param_dtype": "float32", "position_encoding": "sinusoidal", "rope_base": 10000.0,
     "scale_embeddings": True, "score_fn": "dot", "share_embeddings": True, "tie_output": True,
     "use_bias": True, "v_head_dim": None, "vocab_size": 1000,
+    # The fields for published checkpoints (train/hf/), added since: all off.
+    "type_vocab_size": 0, "embedding_norm": False, "pooling": "mean", "pooler": False,
+    "mlm_transform": False, "output_bias": False, "eos_id": 1,
 }
 RECORDED = {  # recipe: its fields that differ from RECORDED_BASE (wmt14_ende_base's)
     "default": dict(d_ff=256, d_model=128, dropout_rate=0.05, max_length=64,
@@ -125,6 +128,13 @@ FROM_THE_COMMAND_LINE = {
     "num_classes": ("3", 3),
     "pad_id": ("1", 1),
     "bos_id": ("3", 3),
+    "eos_id": ("4", 4),
+    "type_vocab_size": ("2", 2),
+    "embedding_norm": ("True", True),
+    "pooling": ("first", "first"),
+    "pooler": ("True", True),
+    "mlm_transform": ("True", True),
+    "output_bias": ("True", True),
     "dtype": ("bfloat16", jnp.dtype("bfloat16")),
     "param_dtype": ("bfloat16", jnp.dtype("bfloat16")),
     "kernels": ("cpu", Kernels.CPU),
