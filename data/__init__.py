@@ -15,6 +15,7 @@ Typical use (the embedded default task)::
     it2 = iter(train); it2.set_state(state)   # next(it2) == next(it)
 """
 
+from transformer_zoo.data.hf_tokenizers import HFTokenizer, MarianTokenizer, load_hf_tokenizer
 from transformer_zoo.data.packing import pack, pad, unpack
 from transformer_zoo.data.pipeline import Batching, lm_windows, make_batches, tokenize
 from transformer_zoo.data.sources import (
@@ -60,10 +61,13 @@ __all__ = [
     "UNK_ID",
     "Batching",
     "CharTokenizer",
+    "HFTokenizer",
+    "MarianTokenizer",
     "SentencePieceTokenizer",
     "Tokenizer",
     "WordCharTokenizer",
     "lm_windows",
+    "load_hf_tokenizer",
     "load_tokenizer",
     "make_batches",
     "normalize_text",

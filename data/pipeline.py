@@ -36,7 +36,7 @@ import grain
 import numpy as np
 
 from transformer_zoo.data.packing import SEGMENTED, Batch, RowPacker, example_length, pad
-from transformer_zoo.data.tokenizers import EOS_ID, Tokenizer
+from transformer_zoo.data.tokenizers import Tokenizer
 
 MODES = ("pack", "bucket")
 
@@ -125,7 +125,7 @@ class Batching:
 
 
 class _Tokenize:
-    """Text example -> id example: segmented features get ids + [EOS_ID]."""
+    """Text example -> id example: segmented features get ids + [tokenizer.eos_id]."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -135,7 +135,7 @@ class _Tokenize:
         for key, value in example.items():
             if key in SEGMENTED:
                 ids = self.tokenizer.encode(value) if isinstance(value, str) else list(value)
-                out[key] = np.asarray([*ids, EOS_ID], np.int32)
+                out[key] = np.asarray([*ids, self.tokenizer.eos_id], np.int32)
             elif key == "labels" and np.ndim(value) == 1:
                 # Token labels: label 0 for the appended EOS keeps them aligned.
                 out[key] = np.asarray([*value, 0], np.int32)
@@ -153,7 +153,7 @@ class _FitsLengths:
 
 
 def tokenize(examples: grain.MapDataset, tokenizer: Tokenizer) -> grain.MapDataset:
-    """Maps text examples to id examples (``encode`` + EOS_ID) lazily."""
+    """Maps text examples to id examples (``encode`` + ``tokenizer.eos_id``) lazily."""
     return examples.map(_Tokenize(tokenizer))
 
 
@@ -291,7 +291,7 @@ def make_batches(
         ``targets`` strings, optional ``labels``), or id examples if ``tokenizer``
         is None.
       batching: shapes, sizes and mode.
-      tokenizer: encodes ``inputs``/``targets``; EOS_ID is appended.
+      tokenizer: encodes ``inputs``/``targets``; its ``eos_id`` is appended.
       train: True: shuffle every epoch (from ``seed``) and repeat forever;
         False: one pass in order, last batch padded with empty rows.
       seed: shuffling seed.

@@ -1,6 +1,7 @@
-"""Tokenizers with one fixed set of special ids.
+"""Tokenizers: our own (one fixed set of special ids) and the shared interface.
 
-The special ids are defined here and nowhere else; every tokenizer uses them:
+Our own tokenizers (char, word/char, and the sentencepiece models that
+``train_sentencepiece`` writes) use the ids defined here and nowhere else:
 
 ====== == ==========================================================
 PAD_ID 0  padding; model masks treat id 0 as "no token"
@@ -9,8 +10,13 @@ BOS_ID 2  start of sequence; the decoder's shift-right inserts it
 UNK_ID 3  out-of-vocabulary piece
 ====== == ==========================================================
 
-Tokenizers never emit PAD_ID/EOS_ID/BOS_ID from ``encode``; ``decode`` stops at
-the first EOS_ID and skips PAD_ID/BOS_ID, so it accepts model outputs directly.
+Tokenizers of published checkpoints keep their own ids (BERT's [SEP] is 102,
+GPT-2's <|endoftext|> 50256, a sentencepiece model may have no pad piece), so every
+tokenizer reports its ids as the properties ``pad_id``, ``eos_id``, ``bos_id`` and
+``unk_id``; code that appends or looks for a special id asks the tokenizer.
+
+Tokenizers never emit their pad/eos/bos ids from ``encode``; ``decode`` stops at
+the first eos id and skips pad/bos ids, so it accepts model outputs directly.
 
 Every tokenizer saves itself to a directory (``tokenizer.json`` plus model files)
 and ``load_tokenizer(directory)`` restores whichever kind was saved there.
@@ -61,12 +67,32 @@ class Tokenizer(Protocol):
         """Number of ids, specials included (ids are in [0, vocab_size))."""
         ...
 
+    @property
+    def pad_id(self) -> int:
+        """Padding id (PAD_ID for our tokenizers)."""
+        ...
+
+    @property
+    def eos_id(self) -> int:
+        """End of sequence: the pipeline appends it to every sequence (EOS_ID for ours)."""
+        ...
+
+    @property
+    def bos_id(self) -> int:
+        """Start of sequence / decoder start id (BOS_ID for ours; may equal pad_id)."""
+        ...
+
+    @property
+    def unk_id(self) -> int:
+        """Id of out-of-vocabulary input (UNK_ID for ours)."""
+        ...
+
     def encode(self, text: str) -> list[int]:
-        """Text -> ids, without EOS (the pipeline appends EOS_ID)."""
+        """Text -> ids, without eos (the pipeline appends ``eos_id``)."""
         ...
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Ids -> text; stops at EOS_ID, skips PAD_ID and BOS_ID."""
+        """Ids -> text; stops at ``eos_id``, skips ``pad_id`` and ``bos_id``."""
         ...
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -74,14 +100,37 @@ class Tokenizer(Protocol):
         ...
 
 
-def _content_ids(ids: Iterable[int]) -> list[int]:
-    """The ids before the first EOS, without PAD/BOS."""
+class _FixedSpecialIds:
+    """The special-id properties of our own tokenizers: the module constants."""
+
+    @property
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    @property
+    def eos_id(self) -> int:
+        return EOS_ID
+
+    @property
+    def bos_id(self) -> int:
+        return BOS_ID
+
+    @property
+    def unk_id(self) -> int:
+        return UNK_ID
+
+
+def _content_ids(
+    ids: Iterable[int], eos_id: int = EOS_ID, skip: Iterable[int] = (PAD_ID, BOS_ID)
+) -> list[int]:
+    """The ids before the first ``eos_id``, without those in ``skip``."""
+    skip = frozenset(skip)
     out = []
     for i in ids:
         i = int(i)
-        if i == EOS_ID:
+        if i == eos_id:
             break
-        if i not in (PAD_ID, BOS_ID):
+        if i not in skip:
             out.append(i)
     return out
 
@@ -92,37 +141,95 @@ def _write_config(directory: str | os.PathLike, config: dict) -> None:
         json.dump(config, f, ensure_ascii=False, indent=1)
 
 
+def _spm_special_ids(sp: spm.SentencePieceProcessor) -> tuple[int, int, int, int, int]:
+    """(pad, eos, bos, unk, vocab_size) of a sentencepiece model, missing ids filled in.
+
+    A model without a pad piece (sentencepiece's default) gets pad = the first id
+    past the pieces; one without eos the next one: the model's embedding needs a
+    row for them. Without bos, bos = pad, T5's decoder-start convention.
+    """
+    next_id = sp.get_piece_size()
+    pad = sp.pad_id()
+    if pad < 0:
+        pad, next_id = next_id, next_id + 1
+    eos = sp.eos_id()
+    if eos < 0:
+        eos, next_id = next_id, next_id + 1
+    bos = sp.bos_id() if sp.bos_id() >= 0 else pad
+    return pad, eos, bos, sp.unk_id(), next_id
+
+
 class SentencePieceTokenizer:
-    """A sentencepiece model (BPE or unigram) whose special ids match ours."""
+    """A sentencepiece model (BPE or unigram) with whatever special ids it has.
+
+    Ids come from the model (see ``_spm_special_ids`` for the ones it lacks);
+    ``train_sentencepiece`` writes models with our fixed ids.
+    """
 
     MODEL_FILE = "spm.model"
 
     def __init__(self, model_path: str | os.PathLike):
         self._model_path = os.fspath(model_path)
         self._sp = spm.SentencePieceProcessor(model_file=self._model_path)
-        got = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
-        if got != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
-            raise ValueError(
-                f"sentencepiece model {self._model_path} has (pad, eos, bos, unk) ids {got}, "
-                f"expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}"
-            )
+        self._num_pieces = self._sp.get_piece_size()
+        (self._pad_id, self._eos_id, self._bos_id, self._unk_id,
+         self._vocab_size) = _spm_special_ids(self._sp)
 
     @property
     def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
+        """Pieces plus the pad/eos ids added past them (if the model lacks them)."""
+        return self._vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos_id
+
+    @property
+    def unk_id(self) -> int:
+        return self._unk_id
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(normalize_text(text), out_type=int)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._sp.decode(_content_ids(ids))
+        content = _content_ids(ids, self._eos_id, (self._pad_id, self._bos_id))
+        # Ids past the pieces (an added pad/eos, or a model's padded vocabulary)
+        # have no text; sentencepiece would raise on them.
+        return self._sp.decode([i for i in content if 0 <= i < self._num_pieces])
 
     def save(self, directory: str | os.PathLike) -> None:
         target = os.path.join(directory, self.MODEL_FILE)
         os.makedirs(directory, exist_ok=True)
         if os.path.abspath(target) != os.path.abspath(self._model_path):
             shutil.copyfile(self._model_path, target)
-        _write_config(directory, {"type": "sentencepiece", "model_file": self.MODEL_FILE})
+        _write_config(directory, {"type": "sentencepiece", "model_file": self.MODEL_FILE,
+                                  "special_ids": special_ids(self)})
+
+
+def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """``{"pad": ..., "eos": ..., "bos": ..., "unk": ...}`` of ``tokenizer``."""
+    return {name: getattr(tokenizer, f"{name}_id") for name in ("pad", "eos", "bos", "unk")}
+
+
+def check_special_ids(tokenizer: Tokenizer, config: dict, path: str) -> Tokenizer:
+    """Returns ``tokenizer`` if its special ids are those ``config`` recorded.
+
+    Raises:
+      ValueError: they differ (the files next to ``path`` were replaced).
+    """
+    saved = config.get("special_ids")
+    if saved is not None and saved != special_ids(tokenizer):
+        raise ValueError(f"{path}: saved special ids {saved} but the tokenizer files give "
+                         f"{special_ids(tokenizer)}")
+    return tokenizer
 
 
 def train_sentencepiece(
@@ -162,7 +269,7 @@ def train_sentencepiece(
     model_path = os.path.join(directory, SentencePieceTokenizer.MODEL_FILE)
     if os.path.exists(model_path):
         log.info("Reusing sentencepiece model %s", model_path)
-        return SentencePieceTokenizer(model_path)
+        return _with_fixed_ids(SentencePieceTokenizer(model_path), model_path)
     os.makedirs(directory, exist_ok=True)
     # Train into a temp dir and move: a crash mid-training never leaves a
     # half-written model that a later run would silently reuse.
@@ -192,6 +299,15 @@ def train_sentencepiece(
     return tokenizer
 
 
+def _with_fixed_ids(tokenizer: SentencePieceTokenizer, path: str) -> SentencePieceTokenizer:
+    """Checks that a reused model has the fixed ids ``train_sentencepiece`` promises."""
+    got = tuple(special_ids(tokenizer).values())
+    if got != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
+        raise ValueError(f"sentencepiece model {path} has (pad, eos, bos, unk) ids {got}, "
+                         f"expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}")
+    return tokenizer
+
+
 def _bounded_normalized(texts: Iterable[str], limit: int) -> Iterable[str]:
     for n, text in enumerate(texts):
         if n >= limit:
@@ -201,7 +317,7 @@ def _bounded_normalized(texts: Iterable[str], limit: int) -> Iterable[str]:
             yield text
 
 
-class CharTokenizer:
+class CharTokenizer(_FixedSpecialIds):
     """One id per character; ids start after the specials (NUM_SPECIAL).
 
     No normalisation: a char LM must see newlines and runs of spaces. Characters
@@ -239,7 +355,7 @@ class CharTokenizer:
         _write_config(directory, {"type": "char", "chars": self._chars})
 
 
-class WordCharTokenizer:
+class WordCharTokenizer(_FixedSpecialIds):
     """A fixed vocabulary of whole words plus single characters.
 
     ``encode`` splits normalised text on spaces; a piece found in ``words`` is one
@@ -298,7 +414,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
 
     Raises:
       FileNotFoundError: ``directory`` has no tokenizer.json.
-      ValueError: the saved type is unknown.
+      ValueError: the saved type is unknown, or the special ids recorded there
+        differ from those of the restored tokenizer.
     """
     path = os.path.join(directory, _CONFIG_FILE)
     if not os.path.exists(path):
@@ -307,7 +424,13 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         config = json.load(f)
     kind = config.get("type")
     if kind == "sentencepiece":
-        return SentencePieceTokenizer(os.path.join(directory, config["model_file"]))
+        tokenizer = SentencePieceTokenizer(os.path.join(directory, config["model_file"]))
+        return check_special_ids(tokenizer, config, path)
+    if kind in ("hf", "marian"):
+        # Lazy: hf_tokenizers imports this module.
+        from transformer_zoo.data import hf_tokenizers
+
+        return check_special_ids(hf_tokenizers.from_config(directory, config), config, path)
     if kind == "char":
         return CharTokenizer(config["chars"])
     if kind == "word_char":
