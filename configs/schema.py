@@ -105,6 +105,9 @@ def unknown_key(key: str, fields: Fields, where: str, owner: str | None = None) 
 CHOSEN_BY_THE_RUN = {
     "vocab_size": "None = the tokenizer's vocabulary size (a value set must equal it).",
     "kernels": "None = the devices' choice; a value set is honoured.",
+    "pad_id": "None = the tokenizer's; a value set is honoured.",
+    "bos_id": "None = the tokenizer's; a value set is honoured.",
+    "eos_id": "None = the tokenizer's; a value set is honoured.",
 }
 
 
@@ -157,12 +160,15 @@ MODEL_FIELDS = model_fields()
 def check_model(values: Mapping) -> None:
     """ValueError on an unknown key or an invalid value of the `model` section.
 
-    Builds the ModelConfig with a stand-in vocabulary when vocab_size is left to
-    the tokenizer, so a bad value fails before the tokenizer is built.
+    Builds the ModelConfig with a stand-in vocabulary (and default special ids)
+    where they are left to the tokenizer, so a bad value fails before the
+    tokenizer is built.
     """
     fields = checked(values, MODEL_FIELDS, "model", "models.ModelConfig")
     stand_in = fields["vocab_size"] or fields["input_vocab_size"] or 1
-    ModelConfig(**{**fields, "vocab_size": stand_in,
+    left_to_the_run = {k: getattr(ModelConfig, k) for k in ("pad_id", "bos_id", "eos_id")
+                       if fields[k] is None}
+    ModelConfig(**{**fields, "vocab_size": stand_in, **left_to_the_run,
                    "kernels": fields["kernels"] or Kernels.PORTABLE})
 
 

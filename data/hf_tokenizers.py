@@ -261,6 +261,20 @@ class HFTokenizer:
             **{f"{role}_token": token for role, token in self._tokens.items()},
             "clean_up_tokenization_spaces": self._clean_up, "special_ids": special_ids(self)})
 
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Writes the files `transformers.AutoTokenizer.from_pretrained` reads.
+
+        tokenizer.json (the backend, post-processor included, so the ids are
+        the same) and tokenizer_config.json naming the special tokens.
+        """
+        os.makedirs(directory, exist_ok=True)
+        self._tok.save(os.path.join(directory, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  "clean_up_tokenization_spaces": self._clean_up,
+                  **{f"{role}_token": token for role, token in self._tokens.items()}}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, ensure_ascii=False, indent=1)
+
 
 def _backend_and_config(folder: str) -> tuple[tokenizers.Tokenizer, dict]:
     """The backend tokenizer from the folder's files, and its tokenizer config."""
@@ -508,6 +522,19 @@ class MarianTokenizer:
             "type": "marian", **names,
             **{f"{role}_token": token for role, token in self._tokens.items()},
             "additional_special_tokens": self._specials[3:], "special_ids": special_ids(self)})
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Writes the files `transformers.MarianTokenizer.from_pretrained` reads."""
+        os.makedirs(directory, exist_ok=True)
+        for key, name in (("source_spm", self.SOURCE_SPM), ("target_spm", self.TARGET_SPM),
+                          ("vocab", self.VOCAB)):
+            _copy(self._files[key], directory, name)
+        config = {"tokenizer_class": "MarianTokenizer",
+                  **{f"{role}_token": token for role, token in self._tokens.items()}}
+        if self._specials[3:]:
+            config["additional_special_tokens"] = self._specials[3:]
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, ensure_ascii=False, indent=1)
 
 
 def _marian_pieces(text: str, sp: spm.SentencePieceProcessor) -> list[str]:

@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import logging
 import math
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from transformer_zoo.train.checkpoint import (
     checkpoint_dir,
     write_json,
 )
-from transformer_zoo.train.input import Input, build_input
+from transformer_zoo.train.input import Input, build_input, tokenizer_dir
 from transformer_zoo.train.losses import summarize
 from transformer_zoo.train.metrics import CompileTimer, MetricWriter, Progress
 from transformer_zoo.train.state import TrainState, create_train_state, make_optimizer
@@ -103,10 +104,13 @@ def setup(config, workdir) -> Run:
     schema.check(config)  # a misspelt key or bad value fails before anything is done
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    if config.init_from:
+        _adopt_tokenizer(Path(config.init_from), workdir)
     inp = build_input(config, workdir)
     plan = parallel.Plan.from_config(config.parallel)
+    ids = {name: getattr(inp.tokenizer, name) for name in ("pad_id", "bos_id", "eos_id")}
     model_config = model_config_from(config.model, inp.tokenizer.vocab_size,
-                                     kernels=plan.kernels)
+                                     kernels=plan.kernels, special_ids=ids)
     task = get_task(config.family)
     model = task.build(model_config)
     tx, schedule = make_optimizer(config.optim, model_config.d_model, config.train.num_steps)
@@ -116,6 +120,33 @@ def setup(config, workdir) -> Run:
                         best_mode=config.train.best_mode)
     return Run(config, workdir, inp, model, model_config, state, schedule, ckpt, plan,
                shardings, task)
+
+
+def _adopt_tokenizer(source: Path, workdir: Path) -> None:
+    """Fine-tuning starts from init_from's tokenizer (a converted checkpoint's
+    own): copied into a workdir that has none yet, where the data tasks find it."""
+    theirs, ours = tokenizer_dir(source), tokenizer_dir(workdir)
+    if (theirs / "tokenizer.json").is_file() and not (ours / "tokenizer.json").exists():
+        if jax.process_index() == 0:
+            shutil.copytree(theirs, ours, dirs_exist_ok=True)
+        multihost_utils.sync_global_devices("init_from tokenizer copied")
+
+
+# Fields that regularise or say how to compute, not what the model computes.
+_FINE_TUNABLE = frozenset({"dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
+                           "attention_impl", "dtype", "param_dtype", "kernels"})
+
+
+def _check_same_model(source: Checkpointer, step: int, run: Run) -> None:
+    """ValueError naming the model fields in which init_from's model and this run's differ."""
+    theirs = source.restore_config(step).get("model", {})
+    ours = model_config_dict(run.model_config)
+    differ = {k: (theirs[k], ours[k]) for k in sorted(set(theirs) & set(ours))
+              if k not in _FINE_TUNABLE and theirs[k] != ours[k]}
+    if differ:
+        raise ValueError(f"init_from={run.config.init_from!r} holds another model: "
+                         + ", ".join(f"model.{k} is {a!r} there, {b!r} here"
+                                     for k, (a, b) in differ.items()))
 
 
 def restore_or_start(run: Run) -> tuple[TrainState, dict | None]:
@@ -130,6 +161,7 @@ def restore_or_start(run: Run) -> tuple[TrainState, dict | None]:
         step = source.latest_step()
         if step is None:
             raise ValueError(f"init_from={run.config.init_from!r} holds no checkpoint")
+        _check_same_model(source, step, run)
         params = source.restore_params(step, run.state.params)
         log.info("initialised params from %s step %d", run.config.init_from, step)
         return run.state.replace(params=params), None

@@ -13,17 +13,19 @@ exact match for the synthetic task and sacreBLEU + chrF for translation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import sacrebleu
 from flax.core import meta
 
-from transformer_zoo.data import EOS_ID, PAD_ID, load_tokenizer, normalize_text
+from transformer_zoo.data import load_tokenizer, normalize_text
 from transformer_zoo.models import Kernels, ModelConfig, generate
 from transformer_zoo.models.decoding import NEG_INF
 from transformer_zoo.train.checkpoint import Checkpointer
@@ -40,12 +42,13 @@ log = logging.getLogger("train")
 
 
 def encode_batch(tokenizer, texts: Sequence[str], max_length: int | None) -> np.ndarray:
-    """Token ids + EOS, right-padded to the longest (rounded up to 8): [B, S] int32.
+    """Token ids + the tokenizer's EOS, right-padded with its PAD to the longest
+    (rounded up to 8): [B, S] int32.
 
     Raises:
       ValueError: a text is longer than `max_length` tokens (names its index).
     """
-    rows = [list(tokenizer.encode(t)) + [EOS_ID] for t in texts]
+    rows = [list(tokenizer.encode(t)) + [tokenizer.eos_id] for t in texts]
     longest = max((len(r) for r in rows), default=1)
     if max_length is not None:
         for i, r in enumerate(rows):
@@ -53,7 +56,7 @@ def encode_batch(tokenizer, texts: Sequence[str], max_length: int | None) -> np.
                 raise ValueError(f"input {i} has {len(r)} tokens (with EOS); the model allows "
                                  f"{max_length}: {texts[i][:60]!r}")
     width = -(-longest // 8) * 8
-    out = np.full((len(rows), width), PAD_ID, np.int32)
+    out = np.full((len(rows), width), tokenizer.pad_id, np.int32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
@@ -106,18 +109,17 @@ def translate_hypotheses(model, params, tokenizer, texts: Sequence[str], options
 def _translate_ids(model, params, ids, options: DecodeOptions, extra: int, first_index: int):
     """Per row of ids [B, S]: [(token ids, score or None), ...] by options.search."""
     if options.search == Search.GREEDY:
-        out = generate.translate_greedy(model, params, ids, max_extra=extra, eos_id=EOS_ID)
+        out = generate.translate_greedy(model, params, ids, max_extra=extra)
         return [[(row, None)] for row in np.asarray(out).tolist()]
     if options.search == Search.BEAM:
         seqs, scores = generate.translate_beams(model, params, ids, beam_size=options.beam_size,
-                                                alpha=options.alpha, max_extra=extra,
-                                                eos_id=EOS_ID)
+                                                alpha=options.alpha, max_extra=extra)
         return _n_best(seqs, scores, options.n_best)
     copies = options.num_samples
     keys = _sample_keys(options.seed, first_index, ids.shape[0], copies)
     out = generate.translate_sample(model, params, np.repeat(ids, copies, axis=0), keys,
                                     temperature=options.temperature, top_k=options.top_k,
-                                    top_p=options.top_p, max_extra=extra, eos_id=EOS_ID)
+                                    top_p=options.top_p, max_extra=extra)
     out = np.asarray(out).reshape(ids.shape[0], copies, -1).tolist()
     return [[(r, None) for r in row] for row in out]
 
@@ -189,7 +191,8 @@ def generate_hypotheses(model, params, tokenizer, prompts: Sequence[str], option
     """
     outputs: list[list[Hypothesis]] = []
     for start in range(0, len(prompts), batch_size):
-        rows = [list(tokenizer.encode(p)) or [PAD_ID] for p in prompts[start:start + batch_size]]
+        chunk = prompts[start:start + batch_size]
+        rows = [list(tokenizer.encode(p)) or [model.config.pad_id] for p in chunk]
         if options.search == Search.BEAM:
             found = _beam_continue(model, params, rows, max_new_tokens, options)
         else:
@@ -211,10 +214,10 @@ def _beam_continue(model, params, rows, max_new_tokens: int, options: DecodeOpti
     if limit is not None and longest + max_new_tokens > limit:
         raise ValueError(f"beam search needs prompt + max_new_tokens <= max_length={limit} (the "
                          f"learned position table), got {longest} + {max_new_tokens}")
-    ids, lengths = _pad_rows(rows, 0)
+    ids, lengths = _pad_rows(rows, 0, model.config.pad_id)
     seqs, scores = generate.generate_beams(model, params, ids, max_new_tokens=max_new_tokens,
                                            beam_size=options.beam_size, alpha=options.alpha,
-                                           eos_id=EOS_ID, prompt_lengths=lengths)
+                                           prompt_lengths=lengths)
     return _n_best(seqs, scores, options.n_best)
 
 
@@ -244,7 +247,7 @@ def _continue(model, params, rows, max_new_tokens: int, options: DecodeOptions, 
         for j, ids in enumerate(new):
             if not done[j]:
                 outputs[j] += ids[:n]
-                done[j] = EOS_ID in ids[:n]
+                done[j] = model.config.eos_id in ids[:n]
         if all(done):
             break
     return outputs
@@ -255,9 +258,9 @@ def _fold_chunk(keys, offset):
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, offset)
 
 
-def _pad_rows(rows, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _pad_rows(rows, width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Token rows right-padded to at least `width` columns [B, P], and their lengths [B]."""
-    ids = np.full((len(rows), max(width, *(len(r) for r in rows))), PAD_ID, np.int32)
+    ids = np.full((len(rows), max(width, *(len(r) for r in rows))), pad_id, np.int32)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
     return ids, np.array([len(r) for r in rows], np.int32)
@@ -266,16 +269,14 @@ def _pad_rows(rows, width: int) -> tuple[np.ndarray, np.ndarray]:
 def _generate_ids(model, params, rows, n, options: DecodeOptions, keys,
                   width: int = 0) -> list[list[int]]:
     """n new ids per row (cut after EOS); prompts padded to at least `width` columns."""
-    ids, lengths = _pad_rows(rows, width)
+    ids, lengths = _pad_rows(rows, width, model.config.pad_id)
     greedy = options.search == Search.GREEDY
     out = generate.generate(
         model, params, ids, max_new_tokens=n, greedy=greedy, temperature=options.temperature,
-        top_k=options.top_k, top_p=options.top_p, rng=None if greedy else keys, eos_id=EOS_ID,
+        top_k=options.top_k, top_p=options.top_p, rng=None if greedy else keys,
         prompt_lengths=lengths)
-    result = []
-    for row in np.asarray(out).tolist():
-        result.append(row[: row.index(EOS_ID) + 1] if EOS_ID in row else row)
-    return result
+    eos = model.config.eos_id
+    return [row[: row.index(eos) + 1] if eos in row else row for row in np.asarray(out).tolist()]
 
 
 def _extra_room(model_config, width: int, max_extra: int) -> int:
@@ -414,9 +415,43 @@ class LoadedRun:
         return generate_hypotheses(self.model, self.params, self.tokenizer, texts, options,
                                    max_new_tokens=new, batch_size=batch_size)
 
+    def embed(self, texts: Sequence[str], *, batch_size: int = 64,
+              normalize: bool = False) -> np.ndarray:
+        """Sentence embeddings of an encoder_only run: [len(texts), D] float32.
+
+        The mean of the final hidden states over each text's tokens
+        (sentence-transformers' mean pooling, [CLS] and [SEP] included as
+        there); normalize: scaled to unit length (cosine similarity = dot).
+        """
+        self._check_family("embed", "encoder_only")
+        return embed_texts(self.model, self.params, self.tokenizer, texts, batch_size=batch_size,
+                           normalize=normalize)
+
     def _check_family(self, method: str, family: str) -> None:
         if self.family != family:
             raise ValueError(f"{method} needs a {family} run, this one is {self.family}")
+
+
+def embed_texts(model, params, tokenizer, texts: Sequence[str], *, batch_size: int = 64,
+                normalize: bool = False) -> np.ndarray:
+    """Mean-pooled final hidden states of an EncoderOnly model, [len(texts), D] (see embed)."""
+    _positive("batch_size", batch_size)
+    out = []
+    for start in range(0, len(texts), batch_size):
+        ids = encode_batch(tokenizer, texts[start:start + batch_size],
+                           position_limit(model.config))
+        out.append(np.asarray(_mean_hidden(model, params, ids)))
+    vectors = np.concatenate(out) if out else np.zeros((0, model.config.d_model), np.float32)
+    if normalize:
+        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
+    return vectors
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _mean_hidden(model, params, ids):
+    hidden = model.apply({"params": params}, ids)["hidden"].astype(jnp.float32)
+    weights = (ids != model.config.pad_id).astype(jnp.float32)[..., None]
+    return (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1e-9)
 
 
 def _check_unused(name: str, value, family: str, instead: str) -> None:
@@ -435,15 +470,36 @@ def load_run(workdir, step: int | None = None, *,
     """Restores config, parameters (only) and tokenizer of a training run.
 
     Args:
-      workdir: the run's directory.
+      workdir: the run's directory (or one `python -m transformer_zoo.train.convert`
+        wrote).
       step: the checkpoint step (default: the latest).
       kernels: how the restored model computes: PORTABLE (plain JAX, any
         platform) or CPU (the XLA:CPU layer; `python -m transformer_zoo.train.decode` picks it
         on CPU). The values are the same.
 
     Raises:
-      FileNotFoundError: `workdir` has no checkpoint, or no step `step`.
+      FileNotFoundError: `workdir` has no checkpoint, no step `step`, or no tokenizer.
     """
+    restored = restore_checkpoint(workdir, step, kernels=kernels)
+    tokenizer = load_tokenizer(Path(workdir) / "tokenizer")
+    return LoadedRun(restored.family, restored.model, restored.params, tokenizer, restored.step,
+                     restored.saved["run"])
+
+
+@dataclasses.dataclass
+class Restored:
+    """A checkpoint's saved config, its family's model and its parameters."""
+
+    saved: dict
+    family: str
+    model: Any
+    params: Any
+    step: int
+
+
+def restore_checkpoint(workdir, step: int | None = None, *,
+                       kernels: Kernels | str = Kernels.PORTABLE) -> Restored:
+    """The parameters (only) of a workdir's checkpoint, with its model (args as `load_run`)."""
     workdir = Path(workdir)
     if not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir} has no checkpoints/ directory: nothing to restore")
@@ -460,5 +516,4 @@ def load_run(workdir, step: int | None = None, *,
     model = task.build(model_config)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), **task.dummy_batch()))
     params = ckpt.restore_params(step, meta.unbox(abstract["params"]))
-    tokenizer = load_tokenizer(workdir / "tokenizer")
-    return LoadedRun(saved["family"], model, params, tokenizer, step, saved["run"])
+    return Restored(saved, saved["family"], model, params, step)

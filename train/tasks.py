@@ -128,7 +128,8 @@ def build_model(family: Family | str | Task, model_config: ModelConfig) -> nn.Mo
     return get_task(family).build(model_config)
 
 
-def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None) -> ModelConfig:
+def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None,
+                      special_ids: dict[str, int] | None = None) -> ModelConfig:
     """ModelConfig from the run config's `model` section, the tokenizer and the devices.
 
     Args:
@@ -136,6 +137,9 @@ def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None) -> ModelC
       vocab_size: the tokenizer's vocabulary size; model.vocab_size None takes it.
       kernels: the devices' choice of models.Kernels, taken where model.kernels is
         None (an explicit value is honoured); None = ModelConfig's default.
+      special_ids: the tokenizer's {"pad_id", "bos_id", "eos_id"}, taken where
+        the section leaves them None; None = ModelConfig's defaults (the ids of
+        this zoo's own tokenizers).
 
     Raises:
       ValueError: a key that is not a ModelConfig field, or a model.vocab_size
@@ -148,4 +152,7 @@ def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None) -> ModelC
     fields["vocab_size"] = vocab_size
     if fields["kernels"] is None:
         fields["kernels"] = ModelConfig.kernels if kernels is None else kernels
+    for name in ("pad_id", "bos_id", "eos_id"):
+        if fields[name] is None:
+            fields[name] = (special_ids or {}).get(name, getattr(ModelConfig, name))
     return ModelConfig(**fields)
