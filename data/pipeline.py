@@ -176,16 +176,25 @@ def _process_shard(shard_index: int | None, shard_count: int | None) -> tuple[in
 class _BatchIterator(grain.DatasetIterator):
     """Reads a MapDataset by index, skipping filtered (None) elements."""
 
-    def __init__(self, source: grain.MapDataset, batching: Batching, lengths: dict[str, int]):
+    def __init__(self, source: grain.MapDataset, batching: Batching, lengths: dict[str, int],
+                 epoch: int):
         super().__init__()
         self._source = source
         self._size = len(source)  # sys.maxsize when repeating forever.
         self._batching = batching
         self._lengths = lengths
+        self._epoch = epoch  # examples per pass
+        self._skipped = 0  # filtered out in a row
         self._next = 0
 
     def _read(self, index: int):
-        return self._source[index]
+        example = self._source[index]
+        self._skipped = self._skipped + 1 if example is None else 0
+        # A whole pass filtered out: repeating it forever would hang.
+        if self._skipped >= self._epoch and self._size > self._epoch:
+            raise ValueError(f"no example of {self._epoch} fits the length limits "
+                             f"{self._lengths} (tokens with EOS); raise them")
+        return example
 
 
 class _PackIterator(_BatchIterator):
@@ -209,8 +218,8 @@ class _PackIterator(_BatchIterator):
 
 
 class _BucketIterator(_BatchIterator):
-    def __init__(self, source, batching, lengths):
-        super().__init__(source, batching, lengths)
+    def __init__(self, source, batching, lengths, epoch):
+        super().__init__(source, batching, lengths, epoch)
         self._bounds = batching.boundaries(max(lengths.values()))
         self._buffers: list[list] = [[] for _ in self._bounds]
         self._starts = [-1] * len(self._bounds)
@@ -264,13 +273,15 @@ class _BucketIterator(_BatchIterator):
 
 
 class _BatchDataset(grain.IterDataset):
-    def __init__(self, source: grain.MapDataset, batching: Batching, lengths: dict[str, int]):
+    def __init__(self, source: grain.MapDataset, batching: Batching, lengths: dict[str, int],
+                 epoch: int):
         super().__init__()
         self._source, self._batching, self._lengths = source, batching, lengths
+        self._epoch = epoch
 
     def __iter__(self) -> grain.DatasetIterator:
         cls = _PackIterator if self._batching.mode == "pack" else _BucketIterator
-        return cls(self._source, self._batching, self._lengths)
+        return cls(self._source, self._batching, self._lengths, self._epoch)
 
 
 def make_batches(
@@ -316,12 +327,13 @@ def make_batches(
     if len(ds) == 0:
         raise ValueError(
             f"shard {shard_index} of {shard_count} is empty ({len(examples)} examples)")
+    epoch = len(ds)
     if train:
         ds = ds.shuffle(seed=seed).repeat()  # grain reshuffles each epoch.
     if tokenizer is not None:
         ds = tokenize(ds, tokenizer)
     ds = ds.filter(_FitsLengths(lengths))
-    batches = _BatchDataset(ds, batching, lengths)
+    batches = _BatchDataset(ds, batching, lengths, epoch)
     if prefetch:
         batches = grain.experimental.ThreadPrefetchIterDataset(
             batches, prefetch_buffer_size=prefetch)

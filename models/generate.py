@@ -122,7 +122,23 @@ def prepare_translation(model: EncoderDecoder, params, inputs: Array, max_len: i
     encoded = model.apply({"params": params}, inputs, src_seg, method=EncoderDecoder.encode)
     build = _encdec_cached if use_cache else _encdec_recompute
     step, state = build(model, params, encoded, src_seg, max_len)
+    if cfg.bos_id == cfg.pad_id != cfg.eos_id:
+        step = _never(step, cfg.pad_id)
     return step, state, jnp.full((inputs.shape[0],), cfg.bos_id, jnp.int32)
+
+
+def _never(step, token: int):
+    """`step` whose logits never choose `token`.
+
+    Models that start decoding from their pad id (Marian, T5) have it in the
+    output vocabulary; it is never a prediction (transformers forbids it
+    through the checkpoints' bad_words_ids).
+    """
+    def wrapped(ids, state):
+        logits, state = step(ids, state)
+        return logits.at[..., token].set(decoding.NEG_INF), state
+
+    return wrapped
 
 
 # State leaves fixed per source sentence: beams of a row share them (see beam_search).

@@ -153,6 +153,14 @@ def test_length_filter_and_fixed_shapes():
     assert 0 < len(kept) < 300 and max(len(e["targets"]) for e in kept) <= 16
 
 
+@pytest.mark.parametrize("mode", ["pack", "bucket"])
+def test_training_data_that_no_example_fits_is_an_error_not_a_hang(mode):
+    batching = Batching(mode=mode, batch_size=4, max_inputs_length=2, max_targets_length=2)
+    it = iter(_translation(batching, train=True))
+    with pytest.raises(ValueError, match="no example of 300 fits the length limits"):
+        next(it)
+
+
 def test_number_task_batches_end_to_end():
     tok = number_tokenizer()
     batching = Batching(mode="pack", batch_size=8, max_inputs_length=8, max_targets_length=16)

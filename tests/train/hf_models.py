@@ -92,7 +92,7 @@ def marian(folder: Path, seed: int = 0, with_tokenizer: bool = True) -> Path:
         encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64,
         activation_function="swish", scale_embedding=True, pad_token_id=vocab - 1,
         decoder_start_token_id=vocab - 1, eos_token_id=0, forced_eos_token_id=None,
-        init_std=0.3)
+        bad_words_ids=[[vocab - 1]], init_std=0.3)  # as OPUS-MT's: never generate <pad>
     model = transformers.MarianMTModel(config)
     with torch.no_grad():  # a non-zero final_logits_bias, so the test sees it
         model.final_logits_bias.normal_(0.0, 0.1)

@@ -33,8 +33,8 @@ class Architecture:
       family: the zoo family it converts into.
       config_from_hf: (config.json, tensor names) -> ModelConfig.
       config_to_hf: ModelConfig -> config.json (ConversionError if it does not fit).
-      rules: (ModelConfig, head) -> the tensor rules, with names as exported.
-      head: (ModelConfig) -> which Hugging Face class the names are for.
+      rules: ModelConfig -> the tensor rules, named as the Hugging Face class that
+        the config implies saves them (e.g. BertForMaskedLM with mlm_transform).
       normalise: (tensor names, ModelConfig) -> {exported name: name in the file},
         dropping the buffers and tied copies that the file may hold.
     """
