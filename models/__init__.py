@@ -62,6 +62,7 @@ from transformer_zoo.models.variants import (
     Kernels,
     Norm,
     NormPosition,
+    Pooling,
     PositionEncoding,
     ScoreFn,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "MultiHeadAttention",
     "Norm",
     "NormPosition",
+    "Pooling",
     "PositionEncoding",
     "Projection",
     "RMSNorm",

@@ -18,6 +18,7 @@ from transformer_zoo.models import (
     MultiHeadAttention,
     Norm,
     NormPosition,
+    Pooling,
     PositionEncoding,
     ScoreFn,
     dot_product_attention,
@@ -32,6 +33,7 @@ FAMILIES = {
     "norm_position": NormPosition,
     "ffn_activation": FfnActivation,
     "score_fn": ScoreFn,
+    "pooling": Pooling,
     "attention_impl": AttentionImpl,
     "kernels": Kernels,
 }

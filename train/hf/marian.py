@@ -88,6 +88,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "pad_token_id": cfg.pad_id, "decoder_start_token_id": cfg.bos_id,
         "eos_token_id": cfg.eos_id, "forced_eos_token_id": cfg.eos_id,
         "is_encoder_decoder": True, "static_position_embeddings": True,
+        # Never generate <pad> (the decoder start), as OPUS-MT's configs and the zoo.
+        "bad_words_ids": [[cfg.pad_id]],
     }
 
 
