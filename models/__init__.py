@@ -22,6 +22,7 @@ from transformer_zoo.models import (  # noqa: F401
 )
 from transformer_zoo.models.attention import MultiHeadAttention
 from transformer_zoo.models.blocks import DecoderBlock, EncoderBlock
+from transformer_zoo.models.capture import capture_attention
 from transformer_zoo.models.config import PRESETS, ModelConfig, get_preset
 from transformer_zoo.models.dot_product import (
     alibi_bias,
@@ -97,6 +98,7 @@ __all__ = [
     "apply_rope",
     "attention_impls",
     "axes",
+    "capture_attention",
     "cpu_kernels",
     "causal_mask",
     "combine_masks",

@@ -10,6 +10,11 @@ calls write their T new keys at `cache_index` and attend causally over the
 cache (within `attention_window` when set, as the full pass does).
 Cross-attention caches its projected keys/values on first use, so the encoder
 output is projected once per source.
+
+Attention capture: when the "intermediates" collection is mutable (see
+models/capture.py), each call also sows its [B, N, T, S] weights there as
+"attention_weights" (parameters and outputs unchanged); otherwise nothing
+extra is computed.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from transformer_zoo.models.dot_product import (
     masked_softmax,
     weighted_values,
 )
+from transformer_zoo.models.linear_attention import feature_map
 from transformer_zoo.models.masks import AttentionMask
 from transformer_zoo.models.positional import alibi_slopes, apply_rope
 from transformer_zoo.models.projection import Projection
@@ -133,7 +139,9 @@ class MultiHeadAttention(nn.Module):
           kv_positions: [B|1, S] key positions for RoPE.
           deterministic: disables dropout.
           decode: incremental decoding with the KV cache.
-          return_weights: also return the [B, N, T, S] attention weights.
+          return_weights: also return the [B, N, T, S] attention weights (only
+        attention_impl "xla" and "auto" return them, and additive scores and
+        decoding steps always; the capture collection works with every impl).
 
         Returns:
           [B, T, out_features], and the weights if requested.
@@ -161,8 +169,8 @@ class MultiHeadAttention(nn.Module):
             query, (axes.BATCH, axes.LENGTH, axes.HEADS, axes.HEAD_DIM)
         )
         # While decoding, keys and values come head-major [B, K, S, H] from the cache.
-        out = self._attend(query, key, value, mask, is_cross, deterministic, return_weights,
-                           kv_major=decode)
+        out = self._attend_or_capture(query, key, value, mask, is_cross, deterministic,
+                                      return_weights, kv_major=decode)
         out, weights = out if return_weights else (out, None)
         out_features = self.out_features or inputs_q.shape[-1]
         out = _proj(out_features, (axes.HEADS, axes.HEAD_DIM, axes.EMBED), axis=(-2, -1),
@@ -283,11 +291,54 @@ class MultiHeadAttention(nn.Module):
         )
         return query, cached_key.value, cached_value.value, full
 
+    def _attend_or_capture(self, query, key, value, mask, is_cross, deterministic,
+                           return_weights, kv_major):
+        """`_attend`; with "intermediates" mutable, also sows the [B, N, T, S] weights.
+
+        Only a mutable "intermediates" collection (models/capture.py) computes
+        weights the caller did not ask for, so every other call traces as
+        before. The weights are the softmax before dropout: from `_attend`
+        itself where it can return them (impl "xla", additive scores, decoding
+        steps), else recomputed by the reference path (`_reference_weights`)
+        while `attention_impl` still computes the output, unchanged.
+        """
+        if not self.is_mutable_collection("intermediates"):
+            return self._attend(query, key, value, mask, is_cross, deterministic,
+                                return_weights, kv_major=kv_major)
+        native = (kv_major or self.score_fn == ScoreFn.ADDITIVE
+                  or self.attention_impl == AttentionImpl.XLA)
+        out = self._attend(query, key, value, mask, is_cross, deterministic,
+                           return_weights or native, kv_major=kv_major)
+        if native:
+            out, weights = out
+        else:
+            out, weights = out if return_weights else (out, None)
+            weights = self._reference_weights(query, key, value, mask, is_cross)
+        self.sow("intermediates", "attention_weights", weights)
+        return (out, weights) if return_weights else out
+
+    def _reference_weights(self, query, key, value, mask, is_cross):
+        """The weights an implementation that returns none attends with: [B, N, T, S].
+
+        "linear" attends with phi(q).phi(k) normalised over the visible keys,
+        not a softmax; every other implementation computes the softmax that
+        the reference ("xla") materialises.
+        """
+        if self.attention_impl == AttentionImpl.LINEAR:
+            return _linear_weights(query, key, mask)
+        _, weights = dot_product_attention(query, key, value, mask=mask,
+                                           alibi_slopes=self._slopes(is_cross),
+                                           return_weights=True, impl=AttentionImpl.XLA)
+        return weights
+
+    def _slopes(self, is_cross):
+        if self.position_encoding == PositionEncoding.ALIBI and not is_cross:
+            return jnp.asarray(alibi_slopes(self.num_heads))
+        return None
+
     def _attend(self, query, key, value, mask, is_cross, deterministic, return_weights,
                 kv_major=False):
-        slopes = None
-        if self.position_encoding == PositionEncoding.ALIBI and not is_cross:
-            slopes = jnp.asarray(alibi_slopes(self.num_heads))
+        slopes = self._slopes(is_cross)
         rng = None
         if not deterministic and self.dropout_rate > 0.0:
             rng = self.make_rng("dropout")
@@ -329,6 +380,21 @@ class MultiHeadAttention(nn.Module):
         out = weighted_values(attention_dropout(weights, self.dropout_rate if rng is not None
                                                 else 0.0, rng), value, query.dtype)
         return (out, weights) if return_weights else out
+
+
+def _linear_weights(query, key, mask):
+    """Linear attention's weights phi(q_t).phi(k_s) / sum_s' phi(q_t).phi(k_s'): [B, N, T, S].
+
+    Its output is these weights times the values; rows with no visible key are 0.
+    """
+    N, K = query.shape[2], key.shape[2]
+    fk = feature_map(jnp.repeat(key, N // K, axis=2))
+    kernel = jnp.einsum("btnh,bsnh->bnts", feature_map(query), fk)
+    if mask is not None:
+        dense = mask.dense_mask() if isinstance(mask, AttentionMask) else mask
+        kernel = jnp.where(dense, kernel, 0.0)
+    total = kernel.sum(-1, keepdims=True)
+    return kernel / jnp.where(total > 0, total, 1.0)
 
 
 def _kv_major_shape(x):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable, Sequence
 
 from absl import flags
@@ -39,3 +41,23 @@ def one_line(err: BaseException) -> str:
         err = err.args[0]
     text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
     return " ".join(text.replace("\\n", "\n").split())
+
+
+def run_command(prog: str, doc: str, define: Callable[[flags.FlagValues], None],
+                run: Callable[[flags.FlagValues], object],
+                argv: Sequence[str] | None = None) -> int:
+    """Parses `argv` (default sys.argv[1:]) and calls `run(flags)`; returns the exit code.
+
+    Bad flags and the errors a user can cause (OSError, ValueError) print one
+    `error: ...` line on stderr and give 1, never a traceback.
+    """
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's read-only notices
+    try:
+        fv = parse_flags(prog, doc, define, sys.argv[1:] if argv is None else argv)
+        if fv is not None:
+            run(fv)
+    except (flags.Error, OSError, ValueError) as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    return 0

@@ -32,7 +32,6 @@ too long) exit with code 1, print one line on stderr and write nothing.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 import jax
 from absl import flags
 
-from transformer_zoo.train.cli import one_line, parse_flags
+from transformer_zoo.train.cli import run_command
 from transformer_zoo.train.parallel import kernels_for
 from transformer_zoo.train.predict import DecodeOptions, Search, decode_options, load_run, score
 
@@ -133,16 +132,7 @@ def run(fv: flags.FlagValues) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: `argv` without the program name (default sys.argv[1:]); returns the code."""
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's read-only notices
-    try:
-        fv = parse_flags(PROG, __doc__, define_flags, sys.argv[1:] if argv is None else argv)
-        if fv is not None:
-            run(fv)
-    except (flags.Error, OSError, ValueError) as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        return 1
-    return 0
+    return run_command(PROG, __doc__, define_flags, run, argv)
 
 
 if __name__ == "__main__":

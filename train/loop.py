@@ -13,6 +13,7 @@ import logging
 import math
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_zoo.configs import schema
-from transformer_zoo.train import parallel, predict
+from transformer_zoo.train import inspect, parallel, plots, predict
 from transformer_zoo.train.checkpoint import (
     Checkpointer,
     average_checkpoints,
@@ -286,6 +287,41 @@ def _check_finite(step: int, metrics) -> None:
                                  "The last good checkpoint is kept.")
 
 
+def print_run_header(run: Run) -> None:
+    """Prints, once at the start: devices, mesh, the model summary and the config overrides.
+
+    The overrides are the `--config.<field>=<value>` flags given to `python -m
+    transformer_zoo.train` (ml_collections records them on its config flag): how
+    this run's config differs from its recipe file. They are shown only when
+    `run.config` is the config those flags built; a config passed to
+    train_and_evaluate from Python has no command line and shows none. The model
+    summary (models/summary.py) takes the run's row length as L.
+    """
+    from absl import flags
+    from ml_collections import config_flags
+
+    from transformer_zoo.models.summary import DEFAULT_SEQ_LEN, format_summary
+
+    devices, mesh = list(run.plan.mesh.devices.flat), run.plan.mesh
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    from_flags = ("config" in flags.FLAGS and flags.FLAGS.is_parsed()
+                  and flags.FLAGS["config"].value is run.config)
+    overrides = config_flags.get_override_values(flags.FLAGS["config"]) if from_flags else {}
+    data = run.config.data
+    seq_len = next((data[k] for k in ("max_targets_length", "seq_length", "max_inputs_length")
+                    if data.get(k)), DEFAULT_SEQ_LEN)
+    lines = [f"devices: {len(devices)} x {devices[0].platform} ({kinds}), "
+             f"{jax.process_count()} process(es)",
+             f"mesh: shape {tuple(mesh.shape.values())} over axes {tuple(mesh.axis_names)}, "
+             f"step {run.plan.step}",
+             format_summary(run.model_config, run.task.family, seq_len=seq_len,
+                            seq_lens=(seq_len,)),
+             "",
+             "config overrides (command line): "
+             + (", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items())) or "none")]
+    print("\n".join(lines), flush=True)
+
+
 def train_and_evaluate(config, workdir) -> dict[str, float]:
     """Trains (resuming if WORKDIR has checkpoints), evaluates, decodes; returns metrics."""
     with CompileTimer() as timer:
@@ -300,11 +336,14 @@ def _train_and_evaluate(config, workdir) -> dict[str, float]:
     run = setup(config, workdir)
     state, data_state = restore_or_start(run)  # fails before anything is written
     if jax.process_index() == 0:
+        print_run_header(run)
         write_json(run.workdir / "config.json", saved_config(run))
     train_iter = iter(run.input.train)
     if data_state:
         train_iter.set_state(data_state)
     writer = MetricWriter(run.workdir)
+    if int(state.step) == 0:  # once per run: a resumed run's first event file has them
+        writer.write_hparams(config.to_dict(), _hparam_metrics(run))
     try:
         state, last_eval = _train(run, state, train_iter, writer)
     finally:
@@ -315,9 +354,10 @@ def _train_and_evaluate(config, workdir) -> dict[str, float]:
         result.update(final_scores(run, state.params))
         writer_final = MetricWriter(run.workdir)
         writer_final.write(int(state.step), "final", result)
-        writer_final.close()
         if jax.process_index() == 0:
             write_json(run.workdir / "final_metrics.json", result)
+        _write_final_pictures(run, state.params, writer_final, int(state.step))
+        writer_final.close()
     return result
 
 
@@ -353,6 +393,7 @@ def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
                         run, params, limit=run.config.decode.eval_examples))
                 log.info("eval step %d: %s", step, _fmt(last_eval))
                 writer.write(step, "eval", last_eval)
+                _write_samples(run, params, writer, step, "eval")
             if step % cfg.checkpoint_every == 0 or step == cfg.num_steps or stop.requested:
                 _check_finite(*pending)
                 run.checkpointer.save(step, plan.global_state(state, run.state), data_state,
@@ -361,6 +402,68 @@ def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
                 log.warning("stopped at step %d after a signal; checkpoint saved", step)
                 break
     return plan.global_state(state, run.state), last_eval
+
+
+def _hparam_metrics(run: Run) -> list[str]:
+    """The scalar tags TensorBoard's HParams dashboard shows beside the config."""
+    tags = ["eval/loss", "eval/accuracy", "final/loss", "final/accuracy"]
+    if run.task.family == Family.ENCODER_DECODER:
+        tags.append(f"final/{run.config.decode.metric}")
+    return tags
+
+
+def _text_samples(run: Run, params) -> str | None:
+    """Decoded samples as markdown: the first decode.num_print held-out examples
+    translated as score_examples does, or decode.sample_prompt continued as
+    _print_sample does (sample_length > 0); None when the run has neither."""
+    cfg = run.config.decode
+    examples = run.input.eval_examples[: cfg.num_print]
+    if run.task.family == Family.ENCODER_DECODER and examples:
+        hyps = predict.translate_texts(run.model, params, run.input.tokenizer,
+                                       [e["inputs"] for e in examples], beam_size=cfg.beam_size,
+                                       alpha=cfg.alpha, max_extra=cfg.max_extra,
+                                       batch_size=cfg.batch_size)
+        cell = lambda text: text.replace("|", "\\|")
+        rows = [f"| {cell(e['inputs'])} | {cell(h)} | {cell(e['targets'])} |"
+                for e, h in zip(examples, hyps, strict=True)]
+        return "\n".join(["| source | output | reference |", "|---|---|---|", *rows])
+    if run.task.family == Family.DECODER_ONLY and cfg.sample_length:
+        text = predict.generate_texts(run.model, params, run.input.tokenizer, [cfg.sample_prompt],
+                                      max_new_tokens=cfg.sample_length,
+                                      temperature=cfg.sample_temperature, seed=run.config.seed)[0]
+        # Indented: a markdown code block keeps the sample's newlines and spaces.
+        return "\n".join("    " + line for line in (cfg.sample_prompt + text).split("\n"))
+    return None
+
+
+def _write_samples(run: Run, params, writer: MetricWriter, step: int, split: str) -> None:
+    """The decoded samples as TensorBoard text SPLIT/samples (decoded on every process)."""
+    samples = _text_samples(run, params)
+    if samples:
+        writer.write_text(step, f"{split}/samples", samples)
+
+
+def _write_final_pictures(run: Run, params, writer: MetricWriter, step: int) -> None:
+    """The end of a run for TensorBoard: decoded samples, the attention maps of the first
+    held-out example (teacher-forced on its reference; single-process runs), and the
+    training curves, also written to WORKDIR/curves.png (process 0)."""
+    _write_samples(run, params, writer, step, "final")
+    if jax.process_index() != 0:
+        return
+    if run.input.eval_examples and jax.process_count() == 1:
+        example = run.input.eval_examples[0]
+        target = example["targets"] if run.task.family == Family.ENCODER_DECODER else None
+        try:
+            seen = inspect.inspect_text(run.model, params, run.input.tokenizer,
+                                        run.task.family, example["inputs"], target)
+        except ValueError as err:  # an example beyond the position table: no pictures
+            log.warning("no attention images: %s", err)
+        else:
+            with tempfile.TemporaryDirectory() as folder:
+                for path in inspect.write_attention(seen, folder):
+                    writer.write_image(step, f"final/{path.stem}", path)
+    curves = plots.training_curves(run.workdir / "metrics.jsonl", run.workdir / "curves.png")
+    writer.write_image(step, "final/curves", curves)
 
 
 def _accumulate(sums, metrics):

@@ -1,6 +1,8 @@
 """Metric sinks: console progress line, metrics.jsonl and TensorBoard events.
 
-Only process 0 writes (multi-host runs call this on every process).
+Only process 0 writes (multi-host runs call this on every process). Besides
+scalars, TensorBoard gets text (decoded samples), images (PNG files or
+arrays: attention maps, training curves) and the run config as hyperparameters.
 """
 
 from __future__ import annotations
@@ -8,9 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
+import numpy as np
 
 log = logging.getLogger("train")
 
@@ -39,10 +44,77 @@ class MetricWriter:
         for name, value in scalars.items():
             self._tb.add_scalar(f"{split}/{name}", float(value), int(step))
 
+    def write_text(self, step: int, tag: str, text: str) -> None:
+        """Text under `tag` at `step` (TensorBoard renders it as markdown)."""
+        if self.enabled:
+            self._tb.add_text(tag, text, int(step))
+
+    def write_image(self, step: int, tag: str, image) -> None:
+        """An image under `tag` at `step`.
+
+        Args:
+          step: the training step.
+          tag: its TensorBoard name, e.g. "final/curves".
+          image: a PNG file's path, or an [H, W] / [H, W, 3|4] array (uint8, or
+            float in [0, 1]).
+
+        Raises:
+          ValueError: an array of another rank or channel count.
+        """
+        if not self.enabled:
+            return
+        if isinstance(image, (str, Path)):
+            from matplotlib import image as mpimg
+
+            image = mpimg.imread(Path(image))  # float [H, W, 3|4] in [0, 1]
+        pixels = np.asarray(image)
+        if pixels.ndim == 2:
+            pixels = pixels[..., None]
+        if pixels.ndim != 3 or pixels.shape[-1] not in (1, 3, 4):
+            raise ValueError(f"write_image: image must be [H, W] or [H, W, 1|3|4], got shape "
+                             f"{pixels.shape}")
+        self._tb.add_image(tag, pixels, int(step), dataformats="HWC")
+
+    def write_hparams(self, config_dict: Mapping[str, Any], metrics: Iterable[str] = ()) -> None:
+        """The run config as TensorBoard hyperparameters (the HParams dashboard), in this
+        run's own event file; call it once, at the start.
+
+        Args:
+          config_dict: the run config as nested dicts (`config.to_dict()`), flattened to
+            "model.d_model"-style names; values that are not bool, int, float or str are
+            written as their str(), None as "None".
+          metrics: tags of scalars this run writes (e.g. "eval/loss") that the dashboard
+            shows beside the hyperparameters.
+        """
+        if not self.enabled:
+            return
+        from tensorboardX.summary import hparams
+
+        # SummaryWriter.add_hparams would write them to a new subfolder, which TensorBoard
+        # shows as another run; these summaries attach them to this run's own scalars.
+        experiment, start, _ = hparams(_flat_hparams(config_dict), {tag: 0.0 for tag in metrics})
+        writer = self._tb._get_file_writer()
+        writer.add_summary(experiment)
+        writer.add_summary(start)
+
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def _flat_hparams(tree: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
+    """Nested config dicts as {"section.field": value} with TensorBoard's value types."""
+    out: dict[str, bool | int | float | str] = {}
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            out.update(_flat_hparams(value, f"{key}."))
+        elif isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        else:
+            out[key] = str(value)
+    return out
 
 
 class Progress:

@@ -4,6 +4,7 @@ decoding in a fresh process matches decoding in the training process."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -443,3 +444,24 @@ def test_translation_recipe_averages_selects_on_val_and_reports_test(tmp_path):
     assert saved["test_bleu"] == result["test_bleu"]
     # Re-running the finished run reuses the averaged checkpoint instead of failing.
     assert train_and_evaluate(config, workdir)["test_bleu"] == result["test_bleu"]
+
+
+def test_run_header_shows_devices_mesh_model_and_command_line_overrides(tmp_path):
+    workdir = tmp_path / "header"
+    proc = subprocess.run(_train_cmd(workdir, "--config.train.num_steps=2",
+                                     "--config.optim.learning_rate=0.004"),
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    devices = re.search(r"^devices: (\d+) x (\w+) \(", out, re.M)
+    assert devices, out
+    assert (int(devices[1]), devices[2]) == (jax.device_count(), jax.devices()[0].platform)
+    assert re.search(rf"^mesh: shape \({jax.device_count()}, 1, 1\) over axes "
+                     r"\('data', 'fsdp', 'tensor'\), step jit$", out, re.M), out
+    total = re.search(r"^total\s+([\d,]+)\s", out, re.M)
+    params = load_run(workdir).params
+    assert total and int(total[1].replace(",", "")) == sum(x.size for x in jax.tree.leaves(params))
+    overrides = next(line for line in out.splitlines() if line.startswith("config overrides"))
+    assert "train.num_steps=2" in overrides and "optim.learning_rate=0.004" in overrides
+    assert "seed" not in overrides  # only what the command line gave
+    assert out.count("devices: ") == 1  # printed once
