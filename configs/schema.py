@@ -38,6 +38,10 @@ class Field:
       kind: the type of a None default (what the command line may set it to).
       choices: the values allowed, if only some are.
       required: None is an error (a path or dataset name the task cannot guess).
+      at_least: the smallest value allowed (None: no lower bound).
+      above: values must be greater than this (None: no such bound).
+      below: values must be less than this (None: no upper bound).
+      at_most: the largest value allowed (None: no such bound).
     """
 
     default: Any
@@ -45,6 +49,23 @@ class Field:
     kind: type | None = None
     choices: tuple = ()
     required: bool = False
+    at_least: float | None = None
+    above: float | None = None
+    below: float | None = None
+    at_most: float | None = None
+
+    def check_range(self, name: str, value) -> None:
+        """ValueError naming `name` and `value` if a set number is outside the range."""
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            return
+        bounds = (("at_least", ">=", lambda b: value >= b), ("above", ">", lambda b: value > b),
+                  ("below", "<", lambda b: value < b), ("at_most", "<=", lambda b: value <= b))
+        broken = [f"{op} {getattr(self, a)}" for a, op, ok in bounds
+                  if getattr(self, a) is not None and not ok(getattr(self, a))]
+        if broken:
+            wanted = " and ".join(f"{op} {getattr(self, a)}" for a, op, _ in bounds
+                                  if getattr(self, a) is not None)
+            raise ValueError(f"{name} must be {wanted}, got {value!r}")
 
 
 Fields = Mapping[str, Field]
@@ -74,7 +95,8 @@ def checked(values: Mapping, fields: Fields, where: str, owner: str | None = Non
 
     Raises:
       ValueError: a key that is not a field (with the fields and the closest
-        one), a required field left None, or a value outside a field's choices.
+        one), a required field left None, or a value outside a field's choices
+        or range.
     """
     for key in values:
         if key not in fields:
@@ -87,6 +109,7 @@ def checked(values: Mapping, fields: Fields, where: str, owner: str | None = Non
         if field.choices and out[name] not in field.choices:
             raise ValueError(f"{where}.{name}={out[name]!r} is unknown; choose from "
                              f"{list(field.choices)}")
+        field.check_range(f"{where}.{name}", out[name])
     return out
 
 
@@ -165,7 +188,9 @@ def check_model(values: Mapping) -> None:
     tokenizer is built.
     """
     fields = checked(values, MODEL_FIELDS, "model", "models.ModelConfig")
-    stand_in = fields["vocab_size"] or fields["input_vocab_size"] or 1
+    # A value set (0 included, so it is refused) is checked as set.
+    stand_in = next((fields[k] for k in ("vocab_size", "input_vocab_size")
+                     if fields[k] is not None), 1)
     left_to_the_run = {k: getattr(ModelConfig, k) for k in ("pad_id", "bos_id", "eos_id")
                        if fields[k] is None}
     ModelConfig(**{**fields, "vocab_size": stand_in, **left_to_the_run,
@@ -179,32 +204,36 @@ _BATCHES = {
     "batching": Field("pack", "pack: several examples per row (first fit) | bucket: one "
                       "example per row, padded to its length bucket", choices=("pack", "bucket")),
     "batch_size": Field(64, "global rows (pack) or examples (bucket) per training batch; "
-                        "None with tokens_per_batch", int),
+                        "None with tokens_per_batch", int, at_least=1),
     "tokens_per_batch": Field(None, "instead of batch_size: rows = tokens_per_batch // row "
-                              "length", int),
+                              "length", int, at_least=1),
     "max_inputs_length": Field(None, "longest inputs kept (with EOS); the packed row length",
-                               int),
-    "eval_batch_size": Field(None, "held-out examples per eval batch; None = batch_size", int),
+                               int, at_least=1),
+    "eval_batch_size": Field(None, "held-out examples per eval batch; None = batch_size", int,
+                             at_least=1),
     "max_eval_examples": Field(None, "held-out examples for the eval loss (the first N); "
-                               "None = all", int),
+                               "None = all", int, at_least=1),
 }
 _TARGETS = {
     "max_targets_length": Field(None, "longest targets kept (with EOS); the packed row length",
-                                int),
-    "num_decode_examples": Field(0, "held-out examples decoded at the end for the metric"),
+                                int, at_least=1),
+    "num_decode_examples": Field(0, "held-out examples decoded at the end for the metric",
+                                 at_least=0),
 }
 _SENTENCEPIECE = {
     "vocab_size": Field(32000, "sentencepiece vocabulary to train (with the 4 special ids); "
-                        "joint over source and target"),
+                        "joint over source and target", at_least=5),
     "spm_model_type": Field("bpe", "sentencepiece model: bpe | unigram",
                             choices=("bpe", "unigram")),
-    "spm_character_coverage": Field(1.0, "share of characters the vocabulary covers"),
+    "spm_character_coverage": Field(1.0, "share of characters the vocabulary covers",
+                                    above=0.0, at_most=1.0),
     "spm_byte_fallback": Field(False, "uncovered characters as UTF-8 byte pieces, not UNK"),
-    "spm_max_sentences": Field(1_000_000, "training examples sampled to train the tokenizer"),
+    "spm_max_sentences": Field(1_000_000, "training examples sampled to train the tokenizer",
+                               at_least=1),
 }
 _SYNTHETIC = {
-    "num_train_examples": Field(100_000, "examples per epoch (sampled)"),
-    "num_eval_examples": Field(1000, "held-out examples (disjoint from training)"),
+    "num_train_examples": Field(100_000, "examples per epoch (sampled)", at_least=1),
+    "num_eval_examples": Field(1000, "held-out examples (disjoint from training)", at_least=1),
 }
 _TFDS = {
     "tfds_name": Field(None, "tfds dataset (with its config, e.g. 'wmt14_translate/de-en')",
@@ -222,11 +251,11 @@ def _task(name: str, *groups: Fields, **fields: Field) -> dict[str, Field]:
 DATA_TASKS: dict[str, dict[str, Field]] = {
     # data.number_words: digits -> English words, held-out numbers disjoint.
     "numbers": _task("numbers", _SYNTHETIC, _BATCHES, _TARGETS,
-                     num_train_examples=Field(200_000, "examples per epoch (sampled)")),
+                     num_train_examples=Field(200_000, "examples per epoch (sampled)", at_least=1)),
     # data.sorted_classification: label 1 iff the letters are sorted (encoder_only).
     "sorted": _task("sorted", _SYNTHETIC, _BATCHES,
                     batching=dataclasses.replace(_BATCHES["batching"], default="bucket"),
-                    num_symbols=Field(10, "letters in the alphabet")),
+                    num_symbols=Field(10, "letters in the alphabet", at_least=2)),
     # data.parallel_files: one sentence per line, source and target files aligned.
     "parallel_files": _task(
         "parallel_files", _SENTENCEPIECE, _BATCHES, _TARGETS,
@@ -247,10 +276,12 @@ DATA_TASKS: dict[str, dict[str, Field]] = {
     "text_file": _task(
         "text_file",
         path=Field(None, "the text file", str, required=True),
-        train_fraction=Field(0.9, "leading share of the text for training; the rest is held out"),
-        seq_length=Field(128, "context: characters per row"),
-        batch_size=Field(64, "global rows per batch"),
-        max_eval_batches=Field(None, "held-out batches per evaluation; None = all", int)),
+        train_fraction=Field(0.9, "leading share of the text for training; the rest is held out",
+                             above=0.0, below=1.0),
+        seq_length=Field(128, "context: characters per row", at_least=1),
+        batch_size=Field(64, "global rows per batch", at_least=1),
+        max_eval_batches=Field(None, "held-out batches per evaluation; None = all", int,
+                               at_least=1)),
     # data.tfds_text: a tfds dataset of sentences, sentencepiece, decoder_only.
     "tfds_text": _task(
         "tfds_text", _TFDS, _SENTENCEPIECE,
@@ -258,8 +289,8 @@ DATA_TASKS: dict[str, dict[str, Field]] = {
         eval_split=Field("validation", "held-out split"),
         max_eval_examples=_BATCHES["max_eval_examples"],
         batching=_BATCHES["batching"],
-        batch_size=Field(64, "global rows (pack) or sentences (bucket) per batch"),
-        seq_length=Field(128, "tokens per row (longer sentences are dropped)")),
+        batch_size=Field(64, "global rows (pack) or sentences (bucket) per batch", at_least=1),
+        seq_length=Field(128, "tokens per row (longer sentences are dropped)", at_least=1)),
 }
 
 
@@ -288,34 +319,51 @@ def data_fields(values: Mapping) -> ml_collections.FrozenConfigDict:
 # decode and train.
 
 DECODE_FIELDS = {
-    "beam_size": Field(4, "the paper's beam; 1 = greedy"),
-    "alpha": Field(0.6, "GNMT length penalty ((5 + |Y|) / 6)^alpha"),
-    "max_extra": Field(50, "max output length = input length + max_extra"),
-    "batch_size": Field(64, "sentences per decoding batch"),
-    "num_print": Field(5, "decoded examples printed at the end"),
+    "beam_size": Field(4, "the paper's beam; 1 = greedy", at_least=1),
+    "alpha": Field(0.6, "GNMT length penalty ((5 + |Y|) / 6)^alpha", at_least=0.0),
+    "max_extra": Field(50, "max output length = input length + max_extra", at_least=1),
+    "batch_size": Field(64, "sentences per decoding batch", at_least=1),
+    "num_print": Field(5, "decoded examples printed at the end", at_least=0),
     "eval_examples": Field(100, "held-out examples decoded at each periodic eval; 0 = at the "
-                           "end only"),
+                           "end only", at_least=0),
     "metric": Field("bleu", "bleu (sacreBLEU + chrF) | exact_match",
                     choices=("bleu", "exact_match")),
     "sample_length": Field(0, "decoder_only: tokens sampled at the end after sample_prompt "
-                           "(printed, and in WORKDIR/sample.txt); 0 = no sample"),
+                           "(printed, and in WORKDIR/sample.txt); 0 = no sample", at_least=0),
     "sample_prompt": Field("\n", "decoder_only: the text the sample continues"),
-    "sample_temperature": Field(0.8, "decoder_only: the sample's softmax temperature"),
+    "sample_temperature": Field(0.8, "decoder_only: the sample's softmax temperature",
+                                above=0.0),
 }
 
 TRAIN_FIELDS = {
-    "num_steps": Field(100_000, "optimizer steps (micro-steps with accumulation)"),
-    "label_smoothing": Field(0.1, "the paper's epsilon_ls"),
-    "log_every": Field(100, "steps between console / metrics.jsonl lines"),
-    "eval_every": Field(1000, "steps between held-out evaluations; 0 = only at the end"),
-    "checkpoint_every": Field(1000, "steps between checkpoints"),
-    "keep_checkpoints": Field(5, "the latest K are kept (the paper averaged 5 / 20)"),
+    "num_steps": Field(100_000, "optimizer steps (micro-steps with accumulation)", at_least=1),
+    "label_smoothing": Field(0.1, "the paper's epsilon_ls", at_least=0.0, below=1.0),
+    "log_every": Field(100, "steps between console / metrics.jsonl lines", at_least=1),
+    "eval_every": Field(1000, "steps between held-out evaluations; 0 = only at the end",
+                        at_least=0),
+    "checkpoint_every": Field(1000, "steps between checkpoints", at_least=1),
+    "keep_checkpoints": Field(5, "the latest K are kept (the paper averaged 5 / 20)",
+                              at_least=1),
     "best_metric": Field("loss", "eval metric whose best checkpoint is kept too; '' = off"),
     "best_mode": Field("min", "min | max: which is best", choices=("min", "max")),
     # At the end: the params of the last N checkpoints are averaged (into
     # WORKDIR/averaged), the held-out set is decoded with both, the better is kept
     # (selection on held-out data only) and decodes data.test_* if the task has it.
-    "average_last": Field(0, "checkpoints averaged at the end; 0/1 = off"),
+    "average_last": Field(0, "checkpoints averaged at the end; 0/1 = off", at_least=0),
+}
+
+# The ranges of the `optim` section's numbers (its fields and defaults are declared in
+# configs/common.py); `check` refuses a value outside them.
+OPTIM_RANGES = {
+    "b1": Field(0.9, "Adam beta1", at_least=0.0, below=1.0),
+    "b2": Field(0.98, "Adam beta2", at_least=0.0, below=1.0),
+    "eps": Field(1e-9, "Adam epsilon", above=0.0),
+    "weight_decay": Field(0.0, "adamw only", at_least=0.0),
+    "learning_rate": Field(1.0, "peak lr (rsqrt_warmup: a multiplier)", above=0.0),
+    "end_learning_rate": Field(0.0, "final lr of warmup_cosine", at_least=0.0),
+    "warmup_steps": Field(4000, "linear warmup length", at_least=0),
+    "clip_norm": Field(0.0, "global-norm clipping; 0 = off", at_least=0.0),
+    "grad_accum_steps": Field(1, "micro-batches per update", at_least=1),
 }
 
 
@@ -328,3 +376,6 @@ def check(config) -> None:
     data_fields(config.data)
     checked(config.decode, DECODE_FIELDS, "decode")
     checked(config.train, TRAIN_FIELDS, "train")
+    optim = config.get("optim") or {}
+    for name, field in OPTIM_RANGES.items():
+        field.check_range(f"optim.{name}", optim.get(name))

@@ -414,14 +414,31 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
 
     Raises:
       FileNotFoundError: ``directory`` has no tokenizer.json.
-      ValueError: the saved type is unknown, or the special ids recorded there
-        differ from those of the restored tokenizer.
+      ValueError: tokenizer.json is truncated or not a tokenizer's (names the
+        file and how to recover), the saved type is unknown, or the special ids
+        recorded there differ from those of the restored tokenizer.
     """
     path = os.path.join(directory, _CONFIG_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no tokenizer saved in {os.fspath(directory)!r} ({path} missing)")
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        return _from_config(directory, config, path)
+    except (ValueError, KeyError, TypeError) as err:  # JSONDecodeError, UnicodeDecodeError
+        if isinstance(err, ValueError) and str(err).startswith(path):
+            raise  # already names the file (unknown type, special ids)
+        what = f"missing field {err}" if isinstance(err, KeyError) else str(err)
+        raise ValueError(
+            f"{path} is truncated or not a saved tokenizer ({what}); delete "
+            f"{os.fspath(directory)} to rebuild it from the data, or restore it from a "
+            "backup") from err
+
+
+def _from_config(directory, config: dict, path: str) -> Tokenizer:
+    """The tokenizer that tokenizer.json's `config` describes."""
     kind = config.get("type")
     if kind == "sentencepiece":
         tokenizer = SentencePieceTokenizer(os.path.join(directory, config["model_file"]))

@@ -2,6 +2,15 @@
 
 Trains (resuming from DIR if it holds checkpoints), evaluates, decodes
 held-out examples and prints the metric.
+
+Errors a user can cause (bad flags, a missing config file, a config value out
+of range, a workdir that is a file or not writable, a data file that is
+missing, not UTF-8 or has no text, a non-finite loss) print one
+`error: <message>` line on stderr and exit with code 1, before training starts
+where they can be seen up front. Ctrl-C (SIGINT) during set-up, compilation or
+the final decode prints one line and exits with code 130 (during training the
+loop saves a checkpoint and stops). Any other exception is a bug and keeps its
+traceback.
 """
 
 from transformer_zoo.train.host_memory import restart_with_huge_pages
@@ -11,28 +20,147 @@ from transformer_zoo.train.host_memory import restart_with_huge_pages
 # at a time (train/host_memory.py).
 restart_with_huge_pages()
 
+import _thread  # noqa: E402
+import codecs  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from transformer_zoo.train.cli import one_line  # noqa: E402
-from transformer_zoo.train.loop import NonFiniteLossError, train_and_evaluate  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: checkpoints, tokenizer, metrics.")
 flags.mark_flags_as_required(["config", "workdir"])
 
+INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
+# data fields naming files: the training ones must hold text to train a tokenizer on.
+_TRAIN_FILES = ("train_source", "train_target", "path")
+_OTHER_FILES = ("eval_source", "eval_target", "test_source", "test_target")
+
+
+class UserError(Exception):
+    """An error of the command's input: printed as one line, exit code 1."""
+
+
+def fail(message: str, code: int = 1):
+    """Prints `error: message` on stderr and exits with `code`."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def keep_interrupts() -> None:
+    """Makes a Ctrl-C that lands in a callback (jax's gc hook, an import lock's) count.
+
+    Python prints "Exception ignored" and drops an exception raised in such a
+    callback, so the KeyboardInterrupt of the SIGINT handler would be lost and the
+    run go on; this raises it again in the main code instead.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # SIGINT's handler again, soon: not here, where it would be dropped too.
+            timer = threading.Timer(0.02, _thread.interrupt_main)
+            timer.daemon = True
+            timer.start()
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def config_file(argv) -> str | None:
+    """The file of the --config flag in `argv` (without config_flags' ':params'), if given."""
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-config") and i + 1 < len(argv):
+            return argv[i + 1].split(":", 1)[0]
+        if arg.startswith(("--config=", "-config=")):
+            return arg.split("=", 1)[1].split(":", 1)[0]
+    return None
+
 
 def _parse_flags(argv):
     """absl's flag parsing; a misspelt or badly typed --config.* override is one line."""
+    path = config_file(argv[1:])
+    if path and not Path(path).expanduser().is_file():
+        fail(f"config file {path} does not exist" if not Path(path).exists()
+             else f"config file {path} is not a file")
     try:
         return FLAGS(argv)
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as err:
-        print(f"error: bad flags: {one_line(err)}", file=sys.stderr)
-        sys.exit(1)
+        fail(f"bad flags: {one_line(err)}")
+
+
+def check_workdir(workdir: str) -> None:
+    """UserError unless `workdir` is (or can be made) a directory this process can write."""
+    p = Path(workdir).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UserError(f"--workdir {workdir} is not a directory")
+    existing = next(d for d in (p, *p.parents) if d.exists())
+    if not existing.is_dir():
+        raise UserError(f"--workdir {workdir}: {existing} is not a directory")
+    try:  # a probe, not os.access: root, ACLs and read-only mounts all answer truthfully
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as err:
+        raise UserError(f"--workdir {workdir} is not writable ({existing}: "
+                        f"{err.strerror or err})") from err
+
+
+def check_data_files(data) -> None:
+    """UserError for a data file that is not a file, not UTF-8 or (training) without text.
+
+    A missing file is left to the input pipeline, whose message says where the
+    recipe's files are expected.
+    """
+    for name in (*_TRAIN_FILES, *_OTHER_FILES):
+        value = data.get(name)
+        if not value or not Path(value).expanduser().exists():
+            continue
+        p = Path(value).expanduser()
+        if not p.is_file():
+            raise UserError(f"data.{name}: {value} is not a regular file")
+        if not _utf8_has_text(p, f"data.{name}") and name in _TRAIN_FILES:
+            raise UserError(f"data.{name}: {value} is empty or holds only blank lines; the "
+                            "tokenizer and the model need text to train on")
+
+
+def _utf8_has_text(path: Path, field: str, chunk: int = 1 << 20) -> bool:
+    """Whether `path` holds a non-blank character; UserError if it is not UTF-8."""
+    decoder, offset, has_text = codecs.getincrementaldecoder("utf-8")(), 0, False
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            try:
+                text = decoder.decode(block)
+            except UnicodeDecodeError as err:
+                raise UserError(f"{field}: {path} is not valid UTF-8 (byte "
+                                f"{offset + err.start}: {err.reason})") from err
+            has_text = has_text or not text.isspace() and bool(text)
+            offset += len(block)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as err:
+            raise UserError(f"{field}: {path} is not valid UTF-8 (it ends inside a "
+                            "character)") from err
+    return has_text
+
+
+def preflight(config, workdir: str) -> None:
+    """Every check that needs no jax work: config values, the workdir, the data files."""
+    from transformer_zoo.configs import schema
+
+    try:
+        schema.check(config)
+    except (TypeError, ValueError) as err:
+        raise UserError(one_line(err)) from err
+    check_workdir(workdir)
+    check_data_files(config.data)
 
 
 def main(argv):
@@ -41,11 +169,26 @@ def main(argv):
     for noisy in ("absl", "jax", "orbax", "tensorstore", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    except (NonFiniteLossError, ValueError, FileNotFoundError) as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        sys.exit(1)
+        preflight(FLAGS.config, FLAGS.workdir)
+        # Imported here, so Ctrl-C while jax loads is the one-line interruption too.
+        from transformer_zoo.train.loop import NonFiniteLossError, train_and_evaluate
+
+        try:
+            train_and_evaluate(FLAGS.config, FLAGS.workdir)
+        except (NonFiniteLossError, ValueError, OSError) as err:
+            raise UserError(one_line(err)) from err
+    except (UserError, OSError) as err:  # OSError: a data file unreadable in preflight
+        fail(one_line(err))
+    except KeyboardInterrupt:
+        fail("interrupted during set-up, compilation or the final decode; the latest "
+             f"checkpoint in {FLAGS.workdir} is kept", INTERRUPTED)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    keep_interrupts()
+    try:
+        app.run(main, flags_parser=_parse_flags)
+    except KeyboardInterrupt:
+        print("error: interrupted before the run started; nothing was written",
+              file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED)  # nothing to clean up yet; no second interrupt while exiting

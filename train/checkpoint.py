@@ -6,15 +6,26 @@ A checkpoint step holds four items:
   meta       step and PRNG key
   data       the data iterator state (JSON)
 and every checkpoint directory also holds `config` (JSON: the run config and
-the resolved model config). Orbax writes each step to a temporary directory
-and renames it when complete, so a partially written step is never listed or
-restored.
+the resolved model config) and `checksums` (JSON: a crc32 of the bytes of every
+saved array of params and opt_state, computed on the host values that were
+saved). Orbax writes each step to a temporary directory and renames it when
+complete, so a partially written step is never listed or restored.
+
+Restores prove what they read: a step is first inspected (every item present,
+its metadata parseable), then restored item by item and its arrays' checksums
+recomputed and compared. Any failure is a DamagedCheckpointError (a ValueError) that
+names the step, the file and the reason. `restore_latest_intact` (training
+resume) moves damaged newer steps aside to `<step>.damaged` (never deleted)
+and restores the newest intact one. Steps written before checksums existed
+restore with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,9 +33,29 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
 ARRAY_ITEMS = ("params", "opt_state", "meta")
+TRAIN_ITEMS = ("params", "opt_state", "meta", "data", "config")  # what a resume reads
+CHECKSUMS = "checksums"
+DAMAGED_SUFFIX = ".damaged"
+
+log = logging.getLogger("train")
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint step cannot be read back as saved (names the step, file and reason)."""
+
+    def __init__(self, directory: Path, step: int, file: str, reason: str):
+        self.directory, self.step, self.file = directory, step, file
+        self.reason = " ".join(str(reason).split())[:300]  # one line, bounded
+        super().__init__(f"checkpoint {directory} step {step} is damaged: {file}: {self.reason}")
+
+
+class IncompatibleCheckpointError(ValueError):
+    """An intact checkpoint of another model (not damage: nothing is moved aside)."""
+
 
 def checkpoint_dir(workdir: str | Path) -> Path:
     return Path(workdir).absolute() / "checkpoints"
@@ -45,9 +76,13 @@ class Checkpointer:
     def __init__(self, workdir, *, keep: int = 3, best_metric: str | None = None,
                  best_mode: str = "min", async_save: bool = True, read_only: bool = False):
         policies = [pp.LatestN(keep)]
+        self.best_metric = best_metric or None
         if best_metric:
+            # Only steps saved with the metric compete; the others are LatestN's alone
+            # (orbax's default keeps every step without metrics forever).
             policies.append(pp.BestN(get_metric_fn=lambda m: m[best_metric], n=1,
-                                     reverse=best_mode == "min"))
+                                     reverse=best_mode == "min",
+                                     keep_checkpoints_without_metrics=False))
         options = ocp.CheckpointManagerOptions(
             preservation_policy=pp.AnyPreservationPolicy(policies),
             enable_async_checkpointing=async_save,
@@ -56,7 +91,8 @@ class Checkpointer:
         )
         self.directory = checkpoint_dir(workdir)
         handlers = {name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS}
-        handlers.update(data=ocp.JsonCheckpointHandler(), config=ocp.JsonCheckpointHandler())
+        handlers.update({name: ocp.JsonCheckpointHandler() for name in
+                         ("data", "config", CHECKSUMS)})
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_handlers=handlers)
 
@@ -66,62 +102,218 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def candidate_steps(self) -> list[int]:
+        """Orbax's steps and any other integer-named step directory (say one an
+        interrupted copy left), oldest first: what a restore may consider."""
+        named = {int(p.name) for p in self.directory.glob("*")
+                 if p.is_dir() and p.name.isdigit()} if self.directory.is_dir() else set()
+        return sorted(named | set(self.manager.all_steps()))
+
     def save(self, step: int, state, data_state: Mapping, config: Mapping,
              metrics: Mapping[str, float] | None = None) -> None:
-        """Saves the train state, the data iterator state and the config at `step`."""
+        """Saves the train state, the data iterator state and the config at `step`.
+
+        `metrics` are passed on (for keeping the best step) only when they hold
+        the best metric.
+        """
+        sums = {"params": array_checksums(state.params),
+                "opt_state": array_checksums(state.opt_state)}
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
             opt_state=ocp.args.StandardSave(state.opt_state),
             meta=ocp.args.StandardSave({"step": state.step, "rng": state.rng}),
             data=ocp.args.JsonSave(dict(data_state)),
             config=ocp.args.JsonSave(dict(config)),
+            checksums=ocp.args.JsonSave({"algorithm": "crc32", **sums}),
         )
-        self.manager.save(step, args=args, metrics=dict(metrics) if metrics else None, force=True)
+        ranked = dict(metrics) if metrics and self.best_metric in metrics else None
+        self.manager.save(step, args=args, metrics=ranked, force=True)
 
     def save_params(self, step: int, params, config: Mapping) -> None:
         """A params-only checkpoint (e.g. an average), decodable but not resumable."""
+        sums = {"algorithm": "crc32", "params": array_checksums(params)}
         args = ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                  config=ocp.args.JsonSave(dict(config)))
+                                  config=ocp.args.JsonSave(dict(config)),
+                                  checksums=ocp.args.JsonSave(sums))
         self.manager.save(step, args=args, force=True)
 
     def restore(self, step: int, state) -> tuple[Any, dict]:
         """Restores into the structure of `state` (arrays or ShapeDtypeStructs).
 
         Raises:
-          ValueError: the checkpoint's parameters do not match `state.params`
-            (names the first mismatched parameter and both shapes).
+          IncompatibleCheckpointError: the checkpoint's parameters do not match
+            `state.params` (names the first mismatched parameter and both shapes).
+          DamagedCheckpointError: an item is missing, unreadable or fails its checksums.
         """
+        self.inspect(step, TRAIN_ITEMS)
         self.check_compatible(step, state.params)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(state.params)),
-            opt_state=ocp.args.StandardRestore(_abstract(state.opt_state)),
-            meta=ocp.args.StandardRestore(_abstract({"step": state.step, "rng": state.rng})),
-            data=ocp.args.JsonRestore(),
-        ))
-        new_state = state.replace(params=restored.params, opt_state=restored.opt_state,
-                                  step=restored.meta["step"], rng=restored.meta["rng"])
-        return new_state, dict(restored.data)
+        meta_like = {"step": state.step, "rng": state.rng}
+        params = self._restore_item(step, "params", ocp.args.StandardRestore(
+            _abstract(state.params)))
+        opt_state = self._restore_item(step, "opt_state", ocp.args.StandardRestore(
+            _abstract(state.opt_state)))
+        meta = self._restore_item(step, "meta", ocp.args.StandardRestore(_abstract(meta_like)))
+        data = self._restore_item(step, "data", ocp.args.JsonRestore())
+        if not isinstance(data, Mapping) or not data:
+            raise DamagedCheckpointError(self.directory, step, "data/metadata",
+                                   "empty data iterator state")
+        self.restore_config(step)  # proves the config item readable too
+        self.verify_checksums(step, {"params": params, "opt_state": opt_state})
+        new_state = state.replace(params=params, opt_state=opt_state, step=meta["step"],
+                                  rng=meta["rng"])
+        return new_state, dict(data)
+
+    def restore_latest_intact(self, state) -> tuple[int, Any, dict] | None:
+        """(step, state, data state) of the newest intact step; None without any step.
+
+        Damaged steps newer than it are logged (one line each) and moved aside to
+        `<step>.damaged`, so later saves can reuse their numbers.
+
+        Raises:
+          ValueError: steps exist but none is intact (nothing is moved then).
+        """
+        damaged: list[DamagedCheckpointError] = []
+        for step in reversed(self.candidate_steps()):
+            try:
+                new_state, data = self.restore(step, state)
+            except DamagedCheckpointError as damage:
+                log.warning("%s", damage)
+                damaged.append(damage)
+                continue
+            for damage in damaged:
+                self.move_aside(damage.step)
+            return step, new_state, data
+        if damaged:
+            raise ValueError(f"{self.directory.parent} holds no intact checkpoint: "
+                             + "; ".join(f"step {d.step}: {d.file}: {d.reason}" for d in damaged))
+        return None
+
+    def move_aside(self, step: int) -> Path:
+        """Renames step directory `step` to `<step>.damaged` (never deletes it)."""
+        source = self.directory / str(step)
+        target = self.directory / f"{step}{DAMAGED_SUFFIX}"
+        n = 0
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}{DAMAGED_SUFFIX}.{n}"
+        if jax.process_index() == 0:
+            source.rename(target)
+            log.warning("moved damaged checkpoint step %d aside to %s", step, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
+        self.manager.reload()  # orbax caches its step list
+        return target
 
     def restore_params(self, step: int, params_like) -> Any:
-        """Restores only the parameters (no optimizer state is read)."""
+        """Restores only the parameters (no optimizer state is read), checksums verified."""
+        self.inspect(step, ("params",))
         self.check_compatible(step, params_like)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(params_like))))
-        return restored.params
+        params = self._restore_item(step, "params", ocp.args.StandardRestore(
+            _abstract(params_like)))
+        self.verify_checksums(step, {"params": params})
+        return params
 
     def restore_config(self, step: int) -> dict:
-        return dict(self.manager.restore(step, args=ocp.args.Composite(
-            config=ocp.args.JsonRestore())).config)
+        self.inspect(step, ("config",))
+        config = self._restore_item(step, "config", ocp.args.JsonRestore())
+        if not isinstance(config, Mapping) or not config:
+            raise DamagedCheckpointError(self.directory, step, "config/metadata", "empty config")
+        return dict(config)
+
+    def inspect(self, step: int, items) -> None:
+        """Cheap structural check of `items` of `step` (files present and parseable).
+
+        Raises:
+          DamagedCheckpointError: names the first missing or unparseable file.
+        """
+        root = self.directory / str(step)
+        damage = lambda file, why: DamagedCheckpointError(self.directory, step, file, why)
+        if not root.is_dir():
+            raise damage(f"{step}/", "no such step directory")
+        if not any(root.iterdir()):
+            raise damage(f"{step}/", "empty step directory (an interrupted copy?)")
+        needed = ["_CHECKPOINT_METADATA"]
+        for item in items:
+            if not (root / item).is_dir():
+                raise damage(f"{item}/", "missing item")
+            if item in ARRAY_ITEMS:
+                needed += [f"{item}/_METADATA", f"{item}/manifest.ocdbt"]
+            else:
+                needed.append(f"{item}/metadata")
+        if (root / CHECKSUMS).exists():
+            needed.append(f"{CHECKSUMS}/metadata")
+        for name in needed:
+            path = root / name
+            if not path.is_file():
+                raise damage(name, "missing")
+            if path.stat().st_size == 0:
+                raise damage(name, "empty file")
+            if name.endswith("metadata") or name.endswith("_METADATA"):
+                try:
+                    json.loads(path.read_bytes())
+                except (ValueError, UnicodeDecodeError) as err:
+                    raise damage(name, f"unparseable JSON ({err})") from None
+
+    def _restore_item(self, step: int, item: str, args) -> Any:
+        """One item of `step`; all orbax or TensorStore raises is DamagedCheckpointError."""
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+        except Exception as err:  # noqa: BLE001 (orbax raises ValueError, KeyError, OSError,
+            # RuntimeError, json errors, even ImportError from TensorStore at shutdown)
+            raise DamagedCheckpointError(self.directory, step, self._file_in(step, item, err),
+                                         _root_cause(err)) from err
+
+    def _file_in(self, step: int, item: str, err: Exception) -> str:
+        """The step's file the error (or an error it came from) names, else the item's
+        directory."""
+        root = str(self.directory / str(step)) + "/"
+        for seen in reversed(_chain(err)):
+            found = re.search(re.escape(root) + r"[^\s'\",)]+", str(seen))
+            if found:
+                return found.group(0)[len(root):]
+        return f"{item}/"
+
+    def verify_checksums(self, step: int, restored: Mapping[str, Any]) -> None:
+        """Recomputes the checksums of restored items and compares with the saved ones.
+
+        Raises:
+          DamagedCheckpointError: names the first array whose checksum differs.
+        """
+        if not (self.directory / str(step) / CHECKSUMS).exists():
+            log.warning("checkpoint %s step %d has no checksums (written before they "
+                        "existed): its arrays are not verified", self.directory, step)
+            return
+        saved = self._restore_item(step, CHECKSUMS, ocp.args.JsonRestore())
+        for item, tree in restored.items():
+            want, have = saved.get(item), array_checksums(tree)
+            if not isinstance(want, Mapping):
+                raise DamagedCheckpointError(self.directory, step, f"{CHECKSUMS}/metadata",
+                                       f"no checksums for {item}")
+            for name, value in have.items():
+                if name not in want:
+                    raise DamagedCheckpointError(self.directory, step, f"{item}/",
+                                           f"{item} array {name} has no saved checksum")
+                if value is not None and want[name] is not None and value != want[name]:
+                    raise DamagedCheckpointError(self.directory, step, f"{item}/",
+                                           f"checksum of {item} array {name} differs: saved "
+                                           f"{want[name]}, restored {value}")
 
     def check_compatible(self, step: int, params_like) -> None:
         """Compares saved parameter shapes with the model's, before touching anything."""
-        saved = self.manager.item_metadata(step)["params"]
+        try:
+            saved = self.manager.item_metadata(step)["params"]
+        except Exception as err:  # noqa: BLE001 (as in _restore_item)
+            raise DamagedCheckpointError(self.directory, step, self._file_in(step, "params", err),
+                                   f"unreadable metadata: {type(err).__name__}: {err}") from err
+        if not saved:
+            raise DamagedCheckpointError(self.directory, step, "params/_METADATA",
+                                   "no parameter metadata")
         saved_shapes = {k: tuple(v.shape) for k, v in _flatten(saved).items()}
         wanted = {k: tuple(np.shape(v)) for k, v in _flatten(params_like).items()}
         for name in sorted(set(saved_shapes) | set(wanted)):
             have, want = saved_shapes.get(name), wanted.get(name)
             if have != want:
-                raise ValueError(
+                raise IncompatibleCheckpointError(
                     f"checkpoint {self.directory} step {step} is incompatible with this config: "
                     f"parameter {name} has shape {have} in the checkpoint but {want} in the model"
                 )
@@ -136,6 +328,38 @@ class Checkpointer:
 def _flatten(tree) -> dict[str, Any]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf for path, leaf in leaves}
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """err and the exceptions it came from (TensorStore's detail is at the bottom)."""
+    out: list[BaseException] = []
+    while err is not None and len(out) < 8:
+        out.append(err)
+        err = err.__cause__ or err.__context__
+    return out
+
+
+def _root_cause(err: BaseException) -> str:
+    deepest = _chain(err)[-1]
+    why = str(deepest).split(" See full TensorStore details")[0]
+    return f"{type(deepest).__name__}: {why}"
+
+
+def array_checksums(tree) -> dict[str, str | None]:
+    """Per array of `tree` (by its path): "dtype[shape]:crc32" of its raw host bytes.
+
+    An array that is not fully addressable (a multi-host shard: this process
+    cannot see the whole value) gets None and is not verified on restore; every
+    process would have to gather it to the host, which a save must not wait for.
+    """
+    out: dict[str, str | None] = {}
+    for name, leaf in _flatten(tree).items():
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            out[name] = None
+            continue
+        value = np.ascontiguousarray(jax.device_get(leaf))
+        out[name] = f"{value.dtype.str}{list(value.shape)}:{zlib.crc32(value.tobytes()):08x}"
+    return out
 
 
 def _abstract(tree):

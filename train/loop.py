@@ -151,10 +151,15 @@ def _check_same_model(source: Checkpointer, step: int, run: Run) -> None:
 
 
 def restore_or_start(run: Run) -> tuple[TrainState, dict | None]:
-    """Resumes from the latest checkpoint, else starts (optionally from init_from)."""
-    latest = run.checkpointer.latest_step()
-    if latest is not None:
-        state, data_state = run.checkpointer.restore(latest, run.state)
+    """Resumes from the newest intact checkpoint, else starts (optionally from init_from).
+
+    Damaged newer steps are logged and moved aside to <step>.damaged (see
+    Checkpointer.restore_latest_intact); a workdir whose steps are all damaged
+    is a ValueError naming it.
+    """
+    found = run.checkpointer.restore_latest_intact(run.state)
+    if found is not None:
+        latest, state, data_state = found
         log.info("resumed from %s step %d", run.checkpointer.directory, latest)
         return state, data_state
     if run.config.init_from:
@@ -287,6 +292,26 @@ def _check_finite(step: int, metrics) -> None:
                                  "The last good checkpoint is kept.")
 
 
+@jax.jit
+def _params_finite(params) -> jax.Array:
+    """True when every parameter is finite and their squared norm does not overflow."""
+    total = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(params))
+    return jnp.isfinite(total)
+
+
+def _check_params_finite(step: int, params) -> None:
+    """A checkpoint is saved only from finite parameters.
+
+    The loss checked at step k was computed with the parameters before step k's
+    update, so it cannot vouch for the ones being saved: those are checked
+    here. A sum of squares that overflows float32 (|p| above ~1e19, e.g. after
+    a learning rate of 1e30) counts as not finite: no finite loss follows it.
+    """
+    if not bool(_params_finite(params)):
+        raise NonFiniteLossError(f"parameters became non-finite (or overflow float32) at step "
+                                 f"{step}; not saving them. The last good checkpoint is kept.")
+
+
 def print_run_header(run: Run) -> None:
     """Prints, once at the start: devices, mesh, the model summary and the config overrides.
 
@@ -396,8 +421,13 @@ def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
                 _write_samples(run, params, writer, step, "eval")
             if step % cfg.checkpoint_every == 0 or step == cfg.num_steps or stop.requested:
                 _check_finite(*pending)
-                run.checkpointer.save(step, plan.global_state(state, run.state), data_state,
-                                      saved_config(run), metrics=last_eval or None)
+                saved = plan.global_state(state, run.state)
+                _check_params_finite(step, saved.params)
+                evaluated = cfg.eval_every and (step % cfg.eval_every == 0
+                                                or step == cfg.num_steps)
+                # Ranked by this step's own eval only: a stale one would rank it wrongly.
+                run.checkpointer.save(step, saved, data_state, saved_config(run),
+                                      metrics=last_eval if evaluated else None)
             if stop.requested:
                 log.warning("stopped at step %d after a signal; checkpoint saved", step)
                 break

@@ -28,7 +28,7 @@ from flax.core import meta
 from transformer_zoo.data import load_tokenizer, normalize_text
 from transformer_zoo.models import Kernels, ModelConfig, generate
 from transformer_zoo.models.decoding import NEG_INF
-from transformer_zoo.train.checkpoint import Checkpointer
+from transformer_zoo.train.checkpoint import Checkpointer, DamagedCheckpointError
 from transformer_zoo.train.search import (  # noqa: F401  (re-exported: predict's interface)
     GENERATING_FAMILIES,
     DecodeOptions,
@@ -41,13 +41,21 @@ from transformer_zoo.train.tasks import Family, get_task
 log = logging.getLogger("train")
 
 
-def encode_batch(tokenizer, texts: Sequence[str], max_length: int | None) -> np.ndarray:
+def encode_batch(tokenizer, texts: Sequence[str], max_length: int | None,
+                 vocab_size: int | None = None) -> np.ndarray:
     """Token ids + the tokenizer's EOS, right-padded with its PAD to the longest
     (rounded up to 8): [B, S] int32.
 
+    The ids are checked here, on the host, against `vocab_size` (default: the
+    tokenizer's): the model's embedding lookup (jnp.take under jit) cannot
+    raise on an out-of-range id, it would silently read a filled row instead.
+
     Raises:
-      ValueError: a text is longer than `max_length` tokens (names its index).
+      TypeError: `texts` is a single str (a sequence of texts is wanted).
+      ValueError: a text is longer than `max_length` tokens (names its index),
+        or the tokenizer gave an id outside [0, vocab_size).
     """
+    _check_texts("texts", texts)
     rows = [list(tokenizer.encode(t)) + [tokenizer.eos_id] for t in texts]
     longest = max((len(r) for r in rows), default=1)
     if max_length is not None:
@@ -55,6 +63,7 @@ def encode_batch(tokenizer, texts: Sequence[str], max_length: int | None) -> np.
             if len(r) > max_length:
                 raise ValueError(f"input {i} has {len(r)} tokens (with EOS); the model allows "
                                  f"{max_length}: {texts[i][:60]!r}")
+    _check_ids(rows, tokenizer.vocab_size if vocab_size is None else vocab_size, texts)
     width = -(-longest // 8) * 8
     out = np.full((len(rows), width), tokenizer.pad_id, np.int32)
     for i, r in enumerate(rows):
@@ -345,7 +354,8 @@ class LoadedRun:
     """A trained run restored for inference: model, params and tokenizer.
 
     Use `load_run(workdir)`, then `translate(texts)` (encoder-decoder),
-    `generate(prompts)` (decoder-only) or `decode(texts)` (either). All three
+    `generate(prompts)` (decoder-only) or `decode(texts)` (either); texts are
+    always a sequence of str (a bare str is a TypeError: pass [text]). All three
     take the same search options (see `decode_options`): search, beam_size,
     alpha, n_best, temperature, top_k, top_p, seed, num_samples.
     """
@@ -360,12 +370,14 @@ class LoadedRun:
     def translate(self, texts: Sequence[str], *, max_extra: int = 50, batch_size: int = 64,
                   **options) -> list[str] | list[list[Hypothesis]]:
         """Translations of `texts` (default: beam search, beam 4, alpha 0.6); see `decode`."""
+        _check_texts("translate", texts)
         self._check_family("translate", "encoder_decoder")
         return self.decode(texts, max_extra=max_extra, batch_size=batch_size, **options)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int = 100,
                  batch_size: int = 64, **options) -> list[str] | list[list[Hypothesis]]:
         """Continuations of `prompts` (default: greedy); see `decode`."""
+        _check_texts("generate", prompts)
         self._check_family("generate", "decoder_only")
         return self.decode(prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                            **options)
@@ -376,7 +388,8 @@ class LoadedRun:
         """Decodes `texts` with the search that `decode_options(family, **options)` picks.
 
         Args:
-          texts: sources (encoder_decoder) or prompts (decoder_only).
+          texts: sources (encoder_decoder) or prompts (decoder_only): a
+            sequence of str; a single str is refused (TypeError), pass [text].
           max_extra: encoder_decoder only: at most input length + max_extra
             tokens (default 50).
           max_new_tokens: decoder_only only: tokens to generate (default 100).
@@ -389,9 +402,11 @@ class LoadedRun:
           list of Hypothesis (n-best: best first, with scores).
 
         Raises:
+          TypeError: `texts` is a single str.
           ValueError: options the search or the family cannot honour, or an
             input longer than the model allows.
         """
+        _check_texts("decode", texts)
         chosen = decode_options(self.family, **options)
         found = self.hypotheses(texts, chosen, max_extra=max_extra,
                                 max_new_tokens=max_new_tokens, batch_size=batch_size)
@@ -401,6 +416,7 @@ class LoadedRun:
                    max_extra: int | None = None, max_new_tokens: int | None = None,
                    batch_size: int = 64) -> list[list[Hypothesis]]:
         """Per input, its list of Hypothesis under `options` (args as in `decode`)."""
+        _check_texts("hypotheses", texts)
         _positive("batch_size", batch_size)
         if not get_task(self.family).generates:
             raise ValueError(f"a {self.family} run does not generate")
@@ -422,7 +438,9 @@ class LoadedRun:
         The mean of the final hidden states over each text's tokens
         (sentence-transformers' mean pooling, [CLS] and [SEP] included as
         there); normalize: scaled to unit length (cosine similarity = dot).
+        `texts` is a sequence of str; a single str is refused (TypeError).
         """
+        _check_texts("embed", texts)
         self._check_family("embed", "encoder_only")
         return embed_texts(self.model, self.params, self.tokenizer, texts, batch_size=batch_size,
                            normalize=normalize)
@@ -457,6 +475,22 @@ def _mean_hidden(model, params, ids):
 def _check_unused(name: str, value, family: str, instead: str) -> None:
     if value is not None:
         raise ValueError(f"{name}={value!r} does not apply to {family} runs (use {instead})")
+
+
+def _check_texts(where: str, texts) -> None:
+    """TypeError for one str (or bytes) where a sequence of texts is wanted."""
+    if isinstance(texts, str | bytes):
+        raise TypeError(f"{where} takes a sequence of texts, got one {type(texts).__name__} "
+                        f"{texts[:40]!r}; pass [text] for a single one")
+
+
+def _check_ids(rows, vocab_size: int, texts) -> None:
+    """ValueError naming the first token id outside [0, vocab_size) and its input."""
+    for i, r in enumerate(rows):
+        bad = [t for t in r if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"input {i} has token id {bad[0]} outside the vocabulary "
+                             f"[0, {vocab_size}): {texts[i][:60]!r}")
 
 
 def _positive(name: str, value) -> int:
@@ -499,20 +533,45 @@ class Restored:
 
 def restore_checkpoint(workdir, step: int | None = None, *,
                        kernels: Kernels | str = Kernels.PORTABLE) -> Restored:
-    """The parameters (only) of a workdir's checkpoint, with its model (args as `load_run`)."""
+    """The parameters (only) of a workdir's checkpoint, with its model (args as `load_run`).
+
+    Only what decoding reads (params, config) is verified, checksums included.
+    With step=None a damaged newest step is logged (one line) and skipped for
+    the newest intact one; nothing is renamed (the workdir may be read-only).
+
+    Raises:
+      FileNotFoundError: no checkpoint, or no step `step`.
+      ValueError: the step asked for is damaged (names the file), or none is intact.
+    """
     workdir = Path(workdir)
     if not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir} has no checkpoints/ directory: nothing to restore")
     ckpt = Checkpointer(workdir, read_only=True, async_save=False)
-    steps = ckpt.all_steps()
+    steps = ckpt.candidate_steps()
     if not steps:
         raise FileNotFoundError(f"{workdir}/checkpoints holds no complete checkpoint")
-    step = steps[-1] if step is None else step
-    if step not in steps:
+    if step is not None and step not in steps:
         raise FileNotFoundError(f"{workdir} has no checkpoint at step {step}; it has {steps}")
+    damaged = []
+    for candidate in [step] if step is not None else reversed(steps):
+        try:
+            return _restore_step(ckpt, candidate, kernels)
+        except DamagedCheckpointError as damage:
+            if step is not None:
+                raise
+            log.warning("%s; trying an older step", damage)
+            damaged.append(f"step {damage.step}: {damage.file}: {damage.reason}")
+    raise ValueError(f"{workdir} holds no intact checkpoint: " + "; ".join(damaged))
+
+
+def _restore_step(ckpt: Checkpointer, step: int, kernels) -> Restored:
     saved = ckpt.restore_config(step)
-    model_config = ModelConfig(**saved["model"], kernels=kernels)
-    task = get_task(saved["family"])
+    try:
+        model_config = ModelConfig(**saved["model"], kernels=kernels)
+        task = get_task(saved["family"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise DamagedCheckpointError(ckpt.directory, step, "config/metadata",
+                                     f"not a run config: {type(err).__name__}: {err}") from err
     model = task.build(model_config)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), **task.dummy_batch()))
     params = ckpt.restore_params(step, meta.unbox(abstract["params"]))
