@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -24,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_zoo.configs import schema
-from transformer_zoo.train import inspect, parallel, plots, predict
+from transformer_zoo.train import inspect, parallel, plots, predict, workdir_lock
 from transformer_zoo.train.checkpoint import (
     Checkpointer,
     average_checkpoints,
@@ -358,6 +359,16 @@ def train_and_evaluate(config, workdir) -> dict[str, float]:
 
 def _train_and_evaluate(config, workdir) -> dict[str, float]:
     parallel.initialize_distributed(config.parallel)  # before anything touches devices
+    schema.check(config)  # before the workdir is created or locked
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    # One trainer per workdir (a shared one on many hosts: process 0 holds it).
+    lock = (workdir_lock.exclusive(workdir) if jax.process_index() == 0
+            else contextlib.nullcontext())
+    with lock:
+        return _locked_train_and_evaluate(config, workdir)
+
+
+def _locked_train_and_evaluate(config, workdir) -> dict[str, float]:
     run = setup(config, workdir)
     state, data_state = restore_or_start(run)  # fails before anything is written
     if jax.process_index() == 0:
