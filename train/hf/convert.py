@@ -96,7 +96,7 @@ def read_hf(folder: str | os.PathLike) -> Converted:
     hf_config = read_json(folder / "config.json")
     arch = _architecture(hf_config, folder / "config.json")
     files = weight_files(folder)
-    tensors = load_tensors(folder)
+    tensors = load_tensors(files)
     cfg = arch.config_from_hf(hf_config, set(tensors))
     tokenizer = _read_tokenizer(folder)
     if tokenizer is not None:
@@ -151,13 +151,13 @@ def write_hf(converted: Converted, folder: str | os.PathLike) -> Path:
         fit the architecture of its family (names the fields).
     """
     folder = Path(folder)
-    _check_free(folder)
+    check_free(folder)
     arch = BY_FAMILY.get(converted.family)
     if arch is None:
         raise ConversionError(f"no Hugging Face architecture for family {converted.family!r}")
     hf_config = {**arch.config_to_hf(converted.config), "dtype": "float32"}
     tensors = to_hf_tensors(arch.rules(converted.config), converted.params)
-    with _staging(folder) as tmp:
+    with staging(folder) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_tensors(tensors, tmp / SAFETENSORS)
         save_pretrained = getattr(converted.tokenizer, "save_pretrained", None)
@@ -166,13 +166,13 @@ def write_hf(converted: Converted, folder: str | os.PathLike) -> Path:
     return folder
 
 
-def _check_free(path: Path) -> None:
+def check_free(path: Path) -> None:
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ConversionError(f"{path} already exists and is not empty; nothing was written")
 
 
 @contextlib.contextmanager
-def _staging(target: Path):
+def staging(target: Path):
     """A temporary sibling of `target`, renamed to it on success, removed on error."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -61,10 +61,10 @@ def read_json(path: Path) -> dict:
     return value
 
 
-def load_tensors(folder: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the folder's weight files, by name."""
+def load_tensors(files: list[Path]) -> dict[str, np.ndarray]:
+    """Every tensor of `files` (from `weight_files`), by name."""
     tensors: dict[str, np.ndarray] = {}
-    for path in weight_files(folder):
+    for path in files:
         part = _load_bin(path) if path.name == PYTORCH_BIN else _load_safetensors(path)
         tensors.update(part)
     return tensors

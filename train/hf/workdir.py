@@ -18,9 +18,9 @@ from transformer_zoo.train.checkpoint import Checkpointer
 from transformer_zoo.train.hf.convert import (
     BY_FAMILY,
     Converted,
-    _check_free,
-    _staging,
+    check_free,
     read_hf,
+    staging,
     write_hf,
 )
 from transformer_zoo.train.hf.weights import ConversionError
@@ -36,11 +36,11 @@ def write_workdir(converted: Converted, workdir: str | os.PathLike,
       ConversionError: `workdir` exists and is not empty (nothing is written).
     """
     workdir = Path(workdir)
-    _check_free(workdir)
+    check_free(workdir)
     saved = {"run": {"converted_from": os.fspath(source) if source else None,
                      "model_type": converted.model_type},
              "model": model_config_dict(converted.config), "family": converted.family}
-    with _staging(workdir) as tmp:
+    with staging(workdir) as tmp:
         checkpointer = Checkpointer(tmp, async_save=False)
         checkpointer.save_params(0, converted.params, saved)
         checkpointer.wait()
@@ -74,7 +74,7 @@ def read_workdir(workdir: str | os.PathLike, step: int | None = None) -> Convert
 def to_hf(workdir: str | os.PathLike, folder: str | os.PathLike,
           step: int | None = None) -> Converted:
     """Writes a workdir's checkpoint as a new Hugging Face folder; returns what was written."""
-    _check_free(Path(folder))
+    check_free(Path(folder))
     converted = read_workdir(workdir, step)
     write_hf(converted, folder)
     return converted
