@@ -21,6 +21,7 @@ from transformer_zoo.train.host_memory import restart_with_huge_pages
 restart_with_huge_pages()
 
 import _thread  # noqa: E402
+import asyncio  # noqa: E402
 import codecs  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
@@ -32,7 +33,7 @@ from pathlib import Path  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from transformer_zoo.train.cli import one_line  # noqa: E402
+from transformer_zoo.train.cli import missing_data_file, one_line  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Recipe file (configs/*.py).", lock_config=True)
@@ -50,7 +51,14 @@ class UserError(Exception):
 
 
 def fail(message: str, code: int = 1):
-    """Prints `error: message` on stderr and exits with `code`."""
+    """Prints `error: message` on stderr and exits with `code`.
+
+    Logging and the reports of exceptions in other threads are switched off
+    first: library threads still winding down (orbax's after a failed save, with
+    their asyncio loops) would otherwise print their own end after this line.
+    """
+    logging.disable(logging.CRITICAL)
+    threading.excepthook = sys.unraisablehook = lambda _: None
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
 
@@ -74,6 +82,37 @@ def keep_interrupts() -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """Keeps a library's log line but not its traceback (orbax logs one for a failed
+    background save; the error that stops the run is reported once, as one line)."""
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
+
+
+class _LateCallbacksDropped(asyncio.DefaultEventLoopPolicy):
+    """Event loops that ignore a callback scheduled after they were closed.
+
+    When an orbax save fails (a full disk), orbax closes its asyncio loop while
+    TensorStore still has writes in flight; each one that finishes later calls
+    back into the closed loop from a TensorStore thread, whose RuntimeError
+    ("Event loop is closed") TensorStore prints as a traceback. A closed loop can
+    never run the callback, so dropping it loses nothing. The training command
+    sets this policy; the library leaves asyncio alone.
+    """
+
+    def new_event_loop(self):
+        loop = super().new_event_loop()
+        schedule = loop.call_soon_threadsafe
+
+        def call_soon_threadsafe(callback, *args, context=None):
+            if loop.is_closed():
+                return None
+            return schedule(callback, *args, context=context)
+
+        loop.call_soon_threadsafe = call_soon_threadsafe
+        return loop
 
 
 def config_file(argv) -> str | None:
@@ -114,16 +153,16 @@ def check_workdir(workdir: str) -> None:
 
 
 def check_data_files(data) -> None:
-    """UserError for a data file that is not a file, not UTF-8 or (training) without text.
-
-    A missing file is left to the input pipeline, whose message says where the
-    recipe's files are expected.
-    """
+    """UserError for a data file that is missing, not a file, not UTF-8 or (training)
+    without text. Only the files the run reads count: a test target without a test
+    source is not read."""
     for name in (*_TRAIN_FILES, *_OTHER_FILES):
         value = data.get(name)
-        if not value or not Path(value).expanduser().exists():
+        if not value or name == "test_target" and not data.get("test_source"):
             continue
         p = Path(value).expanduser()
+        if not p.exists():
+            raise UserError(missing_data_file(f"data.{name}", p))
         if not p.is_file():
             raise UserError(f"data.{name}: {value} is not a regular file")
         if not _utf8_has_text(p, f"data.{name}") and name in _TRAIN_FILES:
@@ -168,6 +207,7 @@ def main(argv):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     for noisy in ("absl", "jax", "orbax", "tensorstore", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).addFilter(_without_traceback)
     try:
         preflight(FLAGS.config, FLAGS.workdir)
         # Imported here, so Ctrl-C while jax loads is the one-line interruption too.
@@ -186,6 +226,7 @@ def main(argv):
 
 if __name__ == "__main__":
     keep_interrupts()
+    asyncio.set_event_loop_policy(_LateCallbacksDropped())
     try:
         app.run(main, flags_parser=_parse_flags)
     except KeyboardInterrupt:

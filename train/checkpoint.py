@@ -22,11 +22,15 @@ restore with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,25 @@ class DamagedCheckpointError(ValueError):
 
 class IncompatibleCheckpointError(ValueError):
     """An intact checkpoint of another model (not damage: nothing is moved aside)."""
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written (no space, permission, I/O error).
+
+    Names the step, its directory, the underlying error and the steps that
+    are kept (they were committed before and are untouched: orbax writes a
+    step to a temporary directory and renames it only when complete).
+    """
+
+    def __init__(self, directory: Path, step: int | None, cause: BaseException, kept: list[int]):
+        self.directory, self.step, self.kept = directory, step, kept
+        where = directory / str(step) if step is not None else directory
+        cause_text = _os_error_text(cause) + " ".join(_root_cause(cause).split())[:240]
+        kept_text = ("no earlier checkpoint exists" if not kept else
+                     f"checkpoint {kept[0]} is kept" if len(kept) == 1 else
+                     f"checkpoints {', '.join(map(str, kept))} are kept")
+        super().__init__(f"saving checkpoint step {step} to {where} failed: {cause_text}; "
+                         f"{kept_text}")
 
 
 def checkpoint_dir(workdir: str | Path) -> Path:
@@ -93,8 +116,26 @@ class Checkpointer:
         handlers = {name: ocp.StandardCheckpointHandler() for name in ARRAY_ITEMS}
         handlers.update({name: ocp.JsonCheckpointHandler() for name in
                          ("data", "config", CHECKSUMS)})
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_handlers=handlers)
+        for attempt in range(5):
+            try:
+                self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                                     item_handlers=handlers)
+                break
+            except FileNotFoundError:  # a live trainer deleted a step while it was listed
+                if not read_only or attempt == 4:
+                    raise
+        self._in_flight: int | None = None  # the step an async save is writing
+
+    def reload(self, attempts: int = 5) -> None:
+        """Lists the steps again (orbax caches the list); a step deleted by a live
+        trainer while it is being listed means listing once more."""
+        for _ in range(attempts - 1):
+            try:
+                self.manager.reload()
+                return
+            except FileNotFoundError:
+                continue
+        self.manager.reload()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -127,7 +168,7 @@ class Checkpointer:
             checksums=ocp.args.JsonSave({"algorithm": "crc32", **sums}),
         )
         ranked = dict(metrics) if metrics and self.best_metric in metrics else None
-        self.manager.save(step, args=args, metrics=ranked, force=True)
+        self._save(step, args, ranked)
 
     def save_params(self, step: int, params, config: Mapping) -> None:
         """A params-only checkpoint (e.g. an average), decodable but not resumable."""
@@ -135,7 +176,53 @@ class Checkpointer:
         args = ocp.args.Composite(params=ocp.args.StandardSave(params),
                                   config=ocp.args.JsonSave(dict(config)),
                                   checksums=ocp.args.JsonSave(sums))
-        self.manager.save(step, args=args, force=True)
+        self._save(step, args, None)
+
+    def _save(self, step: int, args, metrics) -> None:
+        """manager.save, any failure (of this save, or of the one before it still being
+        written in the background) raised as CheckpointSaveError naming its step."""
+        self.check_saves()
+        try:
+            self.manager.save(step, args=args, metrics=metrics, force=True)
+        except Exception as err:  # noqa: BLE001 (orbax raises what the file system did)
+            failed, self._in_flight = self._in_flight or step, None
+            raise self._save_error(failed, err) from err
+        self._in_flight = step
+
+    def check_saves(self) -> None:
+        """Raises the error of a failed asynchronous save, once it has finished.
+
+        Cheap enough for every training step: only when the save in flight has
+        ended does it ask orbax for its error.
+
+        Raises:
+          CheckpointSaveError: the background save of `self._in_flight` failed.
+        """
+        if self._in_flight is None or self.manager.is_saving_in_progress():
+            return
+        step, self._in_flight = self._in_flight, None
+        try:
+            # Returns at once (nothing is running) but raises what the save's threads
+            # raised; orbax's own finalize may have consumed check_for_errors' copy.
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as err:  # noqa: BLE001 (as in _save)
+            raise self._save_error(step, err) from err
+        if jax.process_index() == 0 and not (self.directory / str(step)).is_dir():
+            raise self._save_error(step, FileNotFoundError(
+                f"{self.directory / str(step)} was not committed (see the log above)"))
+
+    def _save_error(self, step: int | None, err: BaseException) -> CheckpointSaveError:
+        with contextlib.suppress(Exception):  # the list is only for the message
+            self.manager.reload()
+        kept = [s for s in self._listed_steps() if s != step]
+        return CheckpointSaveError(self.directory, step, err, kept)
+
+    def _listed_steps(self) -> list[int]:
+        try:
+            return sorted(self.manager.all_steps())
+        except Exception:  # noqa: BLE001 (a failing disk may fail listing too)
+            return []
 
     def restore(self, step: int, state) -> tuple[Any, dict]:
         """Restores into the structure of `state` (arrays or ShapeDtypeStructs).
@@ -203,6 +290,47 @@ class Checkpointer:
             multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
         self.manager.reload()  # orbax caches its step list
         return target
+
+    @contextlib.contextmanager
+    def pinned(self, step: int) -> Iterator[Checkpointer]:
+        """A read-only Checkpointer over hard links to the files of `step`.
+
+        A live trainer's retention may delete `step` while a decoder reads it;
+        the links keep its files (written once, never changed after commit)
+        until the read ends, when they are removed. They live in a hidden
+        `WORKDIR/.pinned-*` folder (hard links need the same file system).
+        Where none can be made (a read-only workdir: no trainer is deleting
+        there), this is `self`.
+
+        Raises:
+          DamagedCheckpointError: the step vanished while it was being linked
+            (check whether its directory still exists to tell deletion from damage).
+        """
+        try:
+            root = Path(tempfile.mkdtemp(prefix=".pinned-", dir=self.directory.parent))
+        except OSError:
+            yield self
+            return
+        try:
+            self._link_step(step, checkpoint_dir(root) / str(step))
+            yield Checkpointer(root, read_only=True, async_save=False)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _link_step(self, step: int, target: Path) -> None:
+        source = self.directory / str(step)
+        try:
+            target.mkdir(parents=True)
+            for path in sorted(source.rglob("*")):
+                link = target / path.relative_to(source)
+                if path.is_dir():
+                    link.mkdir(parents=True, exist_ok=True)
+                else:
+                    link.parent.mkdir(parents=True, exist_ok=True)
+                    os.link(path, link)
+        except FileNotFoundError as err:
+            raise DamagedCheckpointError(self.directory, step, f"{step}/",
+                                         f"deleted while being read ({err})") from err
 
     def restore_params(self, step: int, params_like) -> Any:
         """Restores only the parameters (no optimizer state is read), checksums verified."""
@@ -319,7 +447,17 @@ class Checkpointer:
                 )
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for a save in flight.
+
+        Raises:
+          CheckpointSaveError: it failed (names its step and the OS error).
+        """
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 (as in _save)
+            step, self._in_flight = self._in_flight, None
+            raise self._save_error(step, err) from err
+        self.check_saves()
 
     def close(self) -> None:
         self.manager.close()
@@ -337,6 +475,18 @@ def _chain(err: BaseException) -> list[BaseException]:
         out.append(err)
         err = err.__cause__ or err.__context__
     return out
+
+
+def _os_error_text(err: BaseException) -> str:
+    """"No space left on device [errno 28]: " for the first OS error in err's chain
+    (an OSError's errno, or TensorStore's os_error_code='28'), else ""."""
+    for seen in _chain(err):
+        code = getattr(seen, "errno", None) if isinstance(seen, OSError) else None
+        found = re.search(r"os_error_code='(\d+)'", str(seen))
+        code = code if code is not None else int(found.group(1)) if found else None
+        if code is not None:
+            return f"{os.strerror(code)} [errno {code}]: "
+    return ""
 
 
 def _root_cause(err: BaseException) -> str:

@@ -61,3 +61,10 @@ def run_command(prog: str, doc: str, define: Callable[[flags.FlagValues], None],
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
     return 0
+
+
+def missing_data_file(field: str, path) -> str:
+    """The message for a data file (config field `field`) that does not exist."""
+    return (f"{field}: {path} does not exist. Set it with --config.data.<field>=PATH "
+            "(the Multi30k and tiny shakespeare files are expected in ../shared/data, "
+            "see configs/ and the README)")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from jax.experimental import multihost_utils
 
 from transformer_zoo import data
 from transformer_zoo.configs import schema
+from transformer_zoo.train.cli import missing_data_file
 from transformer_zoo.train.tasks import Family, get_task
 
 TASKS = tuple(schema.DATA_TASKS)
@@ -134,8 +137,25 @@ def _load_or_make(directory: Path, make: Callable[[], Any]):
     if (directory / "tokenizer.json").exists():
         return data.load_tokenizer(directory)
     tokenizer = make()
-    tokenizer.save(directory)
+    _save_atomically(tokenizer, directory)
     return tokenizer
+
+
+def _save_atomically(tokenizer, directory: Path) -> None:
+    """tokenizer.save(directory), so that a kill at any moment leaves either no
+    tokenizer.json (the next run makes the tokenizer again) or a complete one.
+
+    The files are written to a sibling staging directory and moved in one by
+    one with os.replace (atomic), tokenizer.json, which marks a saved tokenizer,
+    last.
+    """
+    staging = directory.with_name(f"{directory.name}.staging-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer.save(staging)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in sorted((p.name for p in staging.iterdir()), key=lambda n: n == "tokenizer.json"):
+        os.replace(staging / name, directory / name)
+    staging.rmdir()
 
 
 def _numbers(d, seed: int, workdir: Path) -> Input:
@@ -159,10 +179,7 @@ def _sentencepiece(d, seed: int, workdir: Path, train_ds):
 def _require(path: str, what: str) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(
-            f"{what}: {p} does not exist. Set it with --config.data.<field>=PATH "
-            "(the Multi30k and tiny shakespeare files are expected in ../shared/data, "
-            "see configs/ and the README)")
+        raise FileNotFoundError(missing_data_file(what, p))
     return p
 
 

@@ -278,6 +278,8 @@ def _averaged_params(run: Run, n: int):
     saved = checkpoint_dir(out)
     if not saved.is_dir() or not any(saved.iterdir()):
         average_checkpoints(run.workdir, out, n, run.state.params)
+    if not (tokenizer_dir(out) / "tokenizer.json").exists():  # decodable on its own
+        shutil.copytree(tokenizer_dir(run.workdir), tokenizer_dir(out), dirs_exist_ok=True)
     source = Checkpointer(out, read_only=True, async_save=False)
     if source.latest_step() != steps[-1]:  # from an earlier, shorter run: never overwritten
         log.warning("not averaging: %s holds an average ending at step %s, not %d; move it "
@@ -382,9 +384,11 @@ def _locked_train_and_evaluate(config, workdir) -> dict[str, float]:
         writer.write_hparams(config.to_dict(), _hparam_metrics(run))
     try:
         state, last_eval = _train(run, state, train_iter, writer)
-    finally:
-        run.checkpointer.wait()
-        writer.close()
+    except BaseException:
+        _close_after_failure(run, writer)
+        raise
+    run.checkpointer.wait()
+    writer.close()
     result = dict(last_eval)
     if int(state.step) >= config.train.num_steps:
         result.update(final_scores(run, state.params))
@@ -395,6 +399,19 @@ def _locked_train_and_evaluate(config, workdir) -> dict[str, float]:
         _write_final_pictures(run, state.params, writer_final, int(state.step))
         writer_final.close()
     return result
+
+
+def _close_after_failure(run: Run, writer: MetricWriter) -> None:
+    """Finishes a save in flight and closes the metric files after the loop failed.
+
+    Their own errors (a full disk fails them too) are logged, not raised, so the
+    error that stopped the loop is the one reported.
+    """
+    for finish in (run.checkpointer.wait, run.checkpointer.close, writer.close):
+        try:
+            finish()
+        except Exception as err:  # noqa: BLE001 (the first failure is being raised)
+            log.warning("while stopping: %s", err)
 
 
 def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
@@ -413,6 +430,7 @@ def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
             batch = next(train_iter)
             data_state = train_iter.get_state()
             state, metrics = train_step(state, plan.batch(batch))
+            run.checkpointer.check_saves()  # a failed background save stops the run now
             if pending is not None:  # checked one step late so the host never waits
                 _check_finite(*pending)
             pending = (step, metrics)

@@ -7,6 +7,7 @@ arrays: attention maps, training curves) and the run config as hyperparameters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -21,33 +22,52 @@ log = logging.getLogger("train")
 
 
 class MetricWriter:
-    """Writes scalars to WORKDIR/metrics.jsonl and WORKDIR/tensorboard."""
+    """Writes scalars to WORKDIR/metrics.jsonl and WORKDIR/tensorboard.
+
+    Every write reaches the file before it returns (TensorBoard events too:
+    tensorboardX's own SummaryWriter queues them for a thread that dies on a
+    full disk, after which the queue fills and the trainer blocks forever), so
+    a failing disk is an OSError naming the file, raised in the caller. A row
+    cut short by a kill is dropped when the file is next opened, so
+    metrics.jsonl only ever holds complete rows.
+    """
 
     def __init__(self, workdir, enabled: bool | None = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._jsonl = None
-        self._tb = None
+        self._events = None
         if self.enabled:
             Path(workdir).mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(Path(workdir) / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-            from tensorboardX import SummaryWriter
+            self._jsonl_path = Path(workdir) / "metrics.jsonl"
+            _drop_partial_row(self._jsonl_path)
+            self._jsonl = open(self._jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+            from tensorboardX.event_file_writer import EventsWriter
 
-            self._tb = SummaryWriter(str(Path(workdir) / "tensorboard"))
+            folder = Path(workdir) / "tensorboard"
+            folder.mkdir(exist_ok=True)
+            with _naming(folder):
+                self._events = EventsWriter(str(folder / "events"))
+            self._events_path = Path(self._events._file_name)
 
     def write(self, step: int, split: str, scalars: dict[str, float]) -> None:
         if not self.enabled:
             return
+        from tensorboardX.summary import scalar
+
         row = {"step": int(step), "split": split, "time": time.time()}
         row.update({k: float(v) for k, v in scalars.items()})
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
-        for name, value in scalars.items():
-            self._tb.add_scalar(f"{split}/{name}", float(value), int(step))
+        with _naming(self._jsonl_path):
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        self._add([scalar(f"{split}/{name}", float(value)) for name, value in scalars.items()],
+                  step)
 
     def write_text(self, step: int, tag: str, text: str) -> None:
         """Text under `tag` at `step` (TensorBoard renders it as markdown)."""
         if self.enabled:
-            self._tb.add_text(tag, text, int(step))
+            from tensorboardX.summary import text as text_summary
+
+            self._add([text_summary(tag, text)], step)
 
     def write_image(self, step: int, tag: str, image) -> None:
         """An image under `tag` at `step`.
@@ -63,6 +83,8 @@ class MetricWriter:
         """
         if not self.enabled:
             return
+        from tensorboardX.summary import image as image_summary
+
         if isinstance(image, (str, Path)):
             from matplotlib import image as mpimg
 
@@ -73,7 +95,7 @@ class MetricWriter:
         if pixels.ndim != 3 or pixels.shape[-1] not in (1, 3, 4):
             raise ValueError(f"write_image: image must be [H, W] or [H, W, 1|3|4], got shape "
                              f"{pixels.shape}")
-        self._tb.add_image(tag, pixels, int(step), dataformats="HWC")
+        self._add([image_summary(tag, pixels, dataformats="HWC")], step)
 
     def write_hparams(self, config_dict: Mapping[str, Any], metrics: Iterable[str] = ()) -> None:
         """The run config as TensorBoard hyperparameters (the HParams dashboard), in this
@@ -93,14 +115,53 @@ class MetricWriter:
         # SummaryWriter.add_hparams would write them to a new subfolder, which TensorBoard
         # shows as another run; these summaries attach them to this run's own scalars.
         experiment, start, _ = hparams(_flat_hparams(config_dict), {tag: 0.0 for tag in metrics})
-        writer = self._tb._get_file_writer()
-        writer.add_summary(experiment)
-        writer.add_summary(start)
+        self._add([experiment, start], None)
+
+    def _add(self, summaries, step: int | None) -> None:
+        """Writes each summary as one event and flushes them to the file."""
+        from tensorboardX.proto import event_pb2
+
+        with _naming(self._events_path):
+            for summary in summaries:
+                event = event_pb2.Event(summary=summary, wall_time=time.time())
+                if step is not None:
+                    event.step = int(step)
+                self._events.write_event(event)
+            self._events.flush()
 
     def close(self) -> None:
         if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+            with _naming(self._jsonl_path):
+                self._jsonl.close()
+            with _naming(self._events_path):
+                self._events.close()
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Re-raises an OSError without a file name (a failed write or flush) with `path`."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename or err.errno is None:
+            raise
+        raise OSError(err.errno, f"writing {path} failed: {err.strerror}") from err
+
+
+def _drop_partial_row(path: Path, tail: int = 1 << 16) -> None:
+    """Truncates `path` after its last newline (drops a row a kill cut short), if any."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as f:
+        size = f.seek(0, 2)
+        start = max(size - tail, 0)  # a row is far shorter than `tail`
+        f.seek(start)
+        content = f.read()
+        if content.endswith(b"\n"):
+            return
+        keep = start + content.rfind(b"\n") + 1 if b"\n" in content else start
+        log.warning("%s: dropping a row cut short (%d bytes)", path, size - keep)
+        f.truncate(keep)
 
 
 def _flat_hparams(tree: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:

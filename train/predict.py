@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,7 @@ def generate_hypotheses(model, params, tokenizer, prompts: Sequence[str], option
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         rows = [list(tokenizer.encode(p)) or [model.config.pad_id] for p in chunk]
+        _check_ids(rows, model.config.vocab_size, chunk)  # as encode_batch: no check in jit
         if options.search == Search.BEAM:
             found = _beam_continue(model, params, rows, max_new_tokens, options)
         else:
@@ -538,33 +540,93 @@ def restore_checkpoint(workdir, step: int | None = None, *,
     Only what decoding reads (params, config) is verified, checksums included.
     With step=None a damaged newest step is logged (one line) and skipped for
     the newest intact one; nothing is renamed (the workdir may be read-only).
+    A step deleted while it is read (a live trainer's retention) is not damage:
+    the steps are listed again and the newest one read.
 
     Raises:
-      FileNotFoundError: no checkpoint, or no step `step`.
+      FileNotFoundError: no checkpoint, or no step `step` (or it was deleted while read).
       ValueError: the step asked for is damaged (names the file), or none is intact.
     """
     workdir = Path(workdir)
     if not (workdir / "checkpoints").is_dir():
         raise FileNotFoundError(f"{workdir} has no checkpoints/ directory: nothing to restore")
     ckpt = Checkpointer(workdir, read_only=True, async_save=False)
-    steps = ckpt.candidate_steps()
-    if not steps:
-        raise FileNotFoundError(f"{workdir}/checkpoints holds no complete checkpoint")
-    if step is not None and step not in steps:
-        raise FileNotFoundError(f"{workdir} has no checkpoint at step {step}; it has {steps}")
+    for _ in range(_RELIST_ATTEMPTS):
+        steps = ckpt.candidate_steps()
+        if not steps:
+            raise FileNotFoundError(f"{workdir}/checkpoints holds no complete checkpoint")
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"{workdir} has no checkpoint at step {step}; it has {steps}")
+        restored = _restore_newest(ckpt, [step] if step is not None else steps[::-1], kernels,
+                                   explicit=step is not None)
+        if restored is not None:
+            return restored
+        if step is not None:
+            raise FileNotFoundError(f"{workdir} step {step} was deleted while it was being read "
+                                    "(the training run's retention removed it)")
+        ckpt.reload()  # a trainer is writing and deleting steps: list them again
+    raise ValueError(f"{workdir}: every checkpoint was deleted while being read "
+                     f"{_RELIST_ATTEMPTS} times in a row; try again")
+
+
+# How often a decoder lists the steps again when the one it reads is deleted under it.
+_RELIST_ATTEMPTS = 5
+
+
+def _restore_newest(ckpt: Checkpointer, candidates: list[int], kernels, *,
+                    explicit: bool) -> Restored | None:
+    """The first intact step of `candidates`; None if one was deleted while being read.
+
+    Raises:
+      DamagedCheckpointError: the step asked for (`explicit`) is damaged.
+      ValueError: no candidate is intact.
+    """
     damaged = []
-    for candidate in [step] if step is not None else reversed(steps):
+    for candidate in candidates:
         try:
-            return _restore_step(ckpt, candidate, kernels)
+            return _restore_settled(ckpt, candidate, kernels)
         except DamagedCheckpointError as damage:
-            if step is not None:
+            if not (ckpt.directory / str(candidate)).is_dir():  # retention, not damage
+                log.info("checkpoint step %d was deleted while being read", candidate)
+                return None
+            if explicit:
                 raise
             log.warning("%s; trying an older step", damage)
             damaged.append(f"step {damage.step}: {damage.file}: {damage.reason}")
-    raise ValueError(f"{workdir} holds no intact checkpoint: " + "; ".join(damaged))
+    raise ValueError(f"{ckpt.directory.parent} holds no intact checkpoint: " + "; ".join(damaged))
+
+
+# A live trainer finishes a step's files just after committing it and deletes old
+# steps file by file: a step that reads as damaged is read once more after this pause.
+_SETTLE_SECONDS = 0.2
+
+
+def _restore_settled(ckpt: Checkpointer, step: int, kernels) -> Restored:
+    try:
+        return _restore_step(ckpt, step, kernels)
+    except DamagedCheckpointError:
+        time.sleep(_SETTLE_SECONDS)
+        if not (ckpt.directory / str(step)).is_dir():
+            raise
+        ckpt.reload()
+        return _restore_step(ckpt, step, kernels)
 
 
 def _restore_step(ckpt: Checkpointer, step: int, kernels) -> Restored:
+    """Config, model and params of `step`, read through hard links (Checkpointer.pinned)
+    so that a trainer deleting the step meanwhile cannot pull its files away; errors
+    name the step's own directory, not the links'."""
+    with ckpt.pinned(step) as pinned:
+        try:
+            return _read_step(pinned, step, kernels)
+        except DamagedCheckpointError as damage:
+            if pinned is ckpt:
+                raise
+            raise DamagedCheckpointError(ckpt.directory, step, damage.file,
+                                         damage.reason) from damage
+
+
+def _read_step(ckpt: Checkpointer, step: int, kernels) -> Restored:
     saved = ckpt.restore_config(step)
     try:
         model_config = ModelConfig(**saved["model"], kernels=kernels)
