@@ -447,6 +447,17 @@ def test_translation_recipe_averages_selects_on_val_and_reports_test(tmp_path):
     assert len((workdir / "heldout_avg3.hyp").read_text().splitlines()) == 12
     saved = json.loads((workdir / "final_metrics.json").read_text())
     assert saved["test_bleu"] == result["test_bleu"]
+    # The averaged directory decodes on its own (config and tokenizer), in a fresh
+    # process, to the hypotheses the training process wrote for it.
+    out = tmp_path / "avg.hyp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_zoo.train.decode", f"--workdir={workdir / 'averaged'}",
+         f"--input={workdir / 'heldout_avg3.src'}", "--beam_size=2",
+         f"--alpha={config.decode.alpha}", "--max_extra=4",
+         f"--batch_size={config.decode.batch_size}", f"--output={out}"],
+        cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == (workdir / "heldout_avg3.hyp").read_text()
     # Re-running the finished run reuses the averaged checkpoint instead of failing.
     assert train_and_evaluate(config, workdir)["test_bleu"] == result["test_bleu"]
 
