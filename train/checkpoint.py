@@ -300,7 +300,7 @@ class Checkpointer:
         until the read ends, when they are removed. They live in a hidden
         `WORKDIR/.pinned-*` folder (hard links need the same file system).
         Where none can be made (a read-only workdir: no trainer is deleting
-        there), this is `self`.
+        there; a file system without hard links), this is `self`.
 
         Raises:
           DamagedCheckpointError: the step vanished while it was being linked
@@ -312,8 +312,15 @@ class Checkpointer:
             yield self
             return
         try:
-            self._link_step(step, checkpoint_dir(root) / str(step))
-            yield Checkpointer(root, read_only=True, async_save=False)
+            try:
+                self._link_step(step, checkpoint_dir(root) / str(step))
+            except DamagedCheckpointError:
+                raise
+            except OSError:  # no hard links here (EPERM, EXDEV, ...): read in place
+                linked = False
+            else:
+                linked = True
+            yield Checkpointer(root, read_only=True, async_save=False) if linked else self
         finally:
             shutil.rmtree(root, ignore_errors=True)
 

@@ -24,6 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from tests.train.test_loop import _losses
@@ -318,3 +320,23 @@ def test_decoders_read_while_the_trainer_deletes_checkpoints(tmp_path, cache_dir
     assert proc.returncode == 0, log.read_text()
     assert not errors, errors[:3]
     assert len(read) >= 5 and read == sorted(read), read
+
+
+def test_decoding_reads_in_place_where_hard_links_are_refused(tmp_path, cache_dir, monkeypatch):
+    """A file system without hard links (os.link: EPERM) still decodes: in place."""
+    import errno as errno_module
+
+    workdir = tmp_path / "run"
+    code, output = _run("none", workdir, cache_dir, "--config.train.num_steps=10",
+                        "--config.data.num_decode_examples=0")
+    assert code == 0, output
+    want = restore_checkpoint(workdir)
+
+    def refuse(*_):
+        raise OSError(errno_module.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", refuse)
+    got = restore_checkpoint(workdir)
+    assert got.step == want.step == 10
+    jax.tree.map(np.testing.assert_array_equal, got.params, want.params)
+    assert not list(workdir.glob(".pinned-*"))  # nothing left behind
