@@ -13,7 +13,6 @@ checkpoints) exit with code 1, print one line on stderr and write nothing.
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from absl import flags
 
 from transformer_zoo.train.checkpoint import average_checkpoints
 from transformer_zoo.train.cli import one_line, parse_flags
-from transformer_zoo.train.input import tokenizer_dir
+from transformer_zoo.train.input import copy_tokenizer
 from transformer_zoo.train.predict import load_run
 
 PROG = "python -m transformer_zoo.train.average"
@@ -34,7 +33,7 @@ def average_run(workdir, output, last_n: int) -> int:
         raise ValueError(f"last_n (--last) must be a positive int, got {last_n!r}")
     template = load_run(workdir)  # the model's parameter structure and shapes
     step = average_checkpoints(workdir, output, last_n, template.params)
-    shutil.copytree(tokenizer_dir(workdir), tokenizer_dir(output), dirs_exist_ok=True)
+    copy_tokenizer(workdir, output)
     return step
 
 

@@ -52,6 +52,16 @@ def tokenizer_dir(workdir) -> Path:
     return Path(workdir) / "tokenizer"
 
 
+def copy_tokenizer(source_workdir, target_workdir) -> bool:
+    """Copies the source workdir's saved tokenizer into a target that has none yet
+    (what decoding or fine-tuning the target needs); True if it copied."""
+    theirs, ours = tokenizer_dir(source_workdir), tokenizer_dir(target_workdir)
+    if not (theirs / "tokenizer.json").is_file() or (ours / "tokenizer.json").exists():
+        return False
+    shutil.copytree(theirs, ours, dirs_exist_ok=True)
+    return True
+
+
 def build_input(config, workdir) -> Input:
     """The Input of `config.data` (the fields of each task: configs/schema.py DATA_TASKS).
 

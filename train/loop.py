@@ -12,7 +12,6 @@ import dataclasses
 import enum
 import logging
 import math
-import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -32,7 +31,7 @@ from transformer_zoo.train.checkpoint import (
     checkpoint_dir,
     write_json,
 )
-from transformer_zoo.train.input import Input, build_input, tokenizer_dir
+from transformer_zoo.train.input import Input, build_input, copy_tokenizer
 from transformer_zoo.train.losses import summarize
 from transformer_zoo.train.metrics import CompileTimer, MetricWriter, Progress
 from transformer_zoo.train.state import TrainState, create_train_state, make_optimizer
@@ -127,11 +126,9 @@ def setup(config, workdir) -> Run:
 def _adopt_tokenizer(source: Path, workdir: Path) -> None:
     """Fine-tuning starts from init_from's tokenizer (a converted checkpoint's
     own): copied into a workdir that has none yet, where the data tasks find it."""
-    theirs, ours = tokenizer_dir(source), tokenizer_dir(workdir)
-    if (theirs / "tokenizer.json").is_file() and not (ours / "tokenizer.json").exists():
-        if jax.process_index() == 0:
-            shutil.copytree(theirs, ours, dirs_exist_ok=True)
-        multihost_utils.sync_global_devices("init_from tokenizer copied")
+    if jax.process_index() == 0:
+        copy_tokenizer(source, workdir)
+    multihost_utils.sync_global_devices("init_from tokenizer copied")
 
 
 # Fields that regularise or say how to compute, not what the model computes.
@@ -278,8 +275,7 @@ def _averaged_params(run: Run, n: int):
     saved = checkpoint_dir(out)
     if not saved.is_dir() or not any(saved.iterdir()):
         average_checkpoints(run.workdir, out, n, run.state.params)
-    if not (tokenizer_dir(out) / "tokenizer.json").exists():  # decodable on its own
-        shutil.copytree(tokenizer_dir(run.workdir), tokenizer_dir(out), dirs_exist_ok=True)
+    copy_tokenizer(run.workdir, out)  # decodable on its own
     source = Checkpointer(out, read_only=True, async_save=False)
     if source.latest_step() != steps[-1]:  # from an earlier, shorter run: never overwritten
         log.warning("not averaging: %s holds an average ending at step %s, not %d; move it "
