@@ -1,18 +1,28 @@
-"""Attention at scale: forward+backward time and peak memory against a reference.
+"""Attention at scale: forward+backward time, share of the matmul peak and memory.
 
-    python benchmarks/attention.py            # N = 512 ... 32768 (about 10-15 min on CPU)
-    python benchmarks/attention.py --max-n 2048   # quick look
+    python benchmarks/attention.py --max-n 16384   # N = 512 ... 16384 (~6 min on 2 cores)
+    python benchmarks/attention.py                 # up to N = 32768
+    python benchmarks/attention.py --max-n 2048    # quick look
 
-For each sequence length N (B=1, 8 heads, head dim 64, float32, no mask) it
-times jax.grad of sum(attention(q, k, v)) w.r.t. q, k, v for
-`jax.nn.dot_product_attention` (the outside reference) and this package's
-`blockwise`, `local` (causal, window 512) and `linear` (causal)
-implementations, each (impl, N) in a fresh subprocess. Memory is reported two
-ways: the peak resident set (ru_maxrss) of that subprocess minus the peak of
-a baseline subprocess that only imports jax and builds the same inputs, and
-XLA's compiled memory_analysis() temp bytes (scratch beyond inputs/outputs).
-The reference is skipped where its three [8, N, N] float32 buffers
-(3 * N^2 * 8 * 4 bytes) would pass ~20 GiB.
+For each sequence length N (B=1, 8 heads, head dim 64, float32) it times
+jax.grad of sum(attention(q, k, v)) w.r.t. q, k, v for
+`jax.nn.dot_product_attention` (the outside reference, without and with
+is_causal) and this package's `blockwise` (without and with a causal mask),
+`local` (causal, window 512) and `linear` (causal) implementations, each
+(impl, N) in a fresh subprocess.
+
+"% of peak" is useful FLOPs / time / the fp32 matmul peak
+(benchmarks/matmul_peak.py: every worker samples a 2048^3 matmul before and
+after its timing runs, and the run divides by its best sample). Useful FLOPs
+are the 7 N x N x 64 matmuls per head of a forward and backward pass with
+recomputed scores (2 forward, 5 backward): 14 * N^2 * 64 * 8; a causal mask
+counts half of that.
+
+Memory is reported two ways: the peak resident set (ru_maxrss) of that
+subprocess minus the peak of a baseline subprocess that only imports jax and
+builds the same inputs, and XLA's compiled memory_analysis() temp bytes
+(scratch beyond inputs/outputs). The reference is skipped where its three
+[8, N, N] float32 buffers (3 * N^2 * 8 * 4 bytes) would pass ~20 GiB.
 """
 
 from __future__ import annotations
@@ -29,11 +39,14 @@ HEADS, HEAD_DIM = 8, 64
 REFERENCE_LIMIT_GIB = 20.0
 LOCAL_WINDOW = 512
 GIB, MIB = 2**30, 2**20
-IMPLS = ("reference", "blockwise", "local", "linear")
+IMPLS = ("reference", "reference_causal", "blockwise", "blockwise_causal", "local", "linear")
+CAUSAL = {"reference_causal", "blockwise_causal"}
 
 
 def _attention_fn(impl: str, n: int):
     """The attention callable of `impl` for inputs of length n."""
+    import functools
+
     import jax
 
     from transformer_zoo.models import blockwise, linear_attention, local_attention
@@ -41,8 +54,13 @@ def _attention_fn(impl: str, n: int):
 
     if impl == "reference":
         return jax.nn.dot_product_attention
+    if impl == "reference_causal":
+        return functools.partial(jax.nn.dot_product_attention, is_causal=True)
     if impl == "blockwise":
         return blockwise.blockwise_attention
+    if impl == "blockwise_causal":
+        mask = make_attention_mask(None, q_len=n, causal=True)
+        return functools.partial(blockwise.blockwise_attention, mask=mask)
     causal = make_attention_mask(None, q_len=n, causal=True, window=LOCAL_WINDOW)
     if impl == "local":
         return lambda q, k, v: local_attention.local_attention(q, k, v, mask=causal)
@@ -51,13 +69,20 @@ def _attention_fn(impl: str, n: int):
 
 
 def _repeats(n: int) -> int:
-    return 3 if n <= 4096 else 2 if n <= 8192 else 1
+    """Timed runs (the median is reported): many where a run takes milliseconds."""
+    return 15 if n <= 1024 else 5 if n <= 4096 else 3 if n <= 8192 else 1
+
+
+def useful_flops(impl: str, n: int) -> float:
+    """The matmul FLOPs of one forward + backward pass (half of them when causal)."""
+    return 14 * n * n * HEAD_DIM * HEADS * (0.5 if impl in CAUSAL else 1.0)
 
 
 def worker(impl: str, n: int) -> dict:
     """Runs in a fresh process: compiles, times and measures one (impl, N)."""
     import jax
     import jax.numpy as jnp
+    import matmul_peak
 
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (1, n, HEADS, HEAD_DIM), jnp.float32) for key in keys)
@@ -70,19 +95,25 @@ def worker(impl: str, n: int) -> dict:
     temp = compiled.memory_analysis().temp_size_in_bytes
     if n <= 8192:  # warm-up; at larger N the AOT-compiled first call is representative
         jax.block_until_ready(compiled(q, k, v))
+    peaks = matmul_peak.sample()
     times = []
     for _ in range(_repeats(n)):
         start = time.perf_counter()
         jax.block_until_ready(compiled(q, k, v))
         times.append(time.perf_counter() - start)
+    peaks += matmul_peak.sample()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"time": sorted(times)[len(times) // 2], "rss": rss, "temp": temp}
+    return {"time": sorted(times)[len(times) // 2], "rss": rss, "temp": temp, "peaks": peaks}
 
 
-def _run_worker(impl: str, n: int) -> dict:
+def _run_worker(impl: str, n: int, root: str | None = None) -> dict:
+    """One (impl, N) in a fresh process; `root` puts another checkout's package first."""
     cmd = [sys.executable, __file__, "--worker", impl, "--n", str(n)]
+    env = dict(os.environ)
+    if root:
+        env["PYTHONPATH"] = os.pathsep.join([root] + env.get("PYTHONPATH", "").split(os.pathsep))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     except subprocess.TimeoutExpired:
         return {"error": "timeout"}
     if proc.returncode != 0:
@@ -95,22 +126,45 @@ def predicted_reference_gib(n: int) -> float:
     return 3 * n * n * HEADS * 4 / GIB
 
 
-def measure(ns: list[int]) -> dict:
-    """{(impl, N): result} for every impl and N, printing progress."""
+def measure(ns: list[int], peak, baseline_root: str | None = None) -> dict:
+    """{(impl, N): result} for every impl and N, printing progress; samples go to `peak`.
+
+    With `baseline_root`, each blockwise (impl, N) also runs from that package
+    root, right after ours (alternated), as (impl + " before", N).
+    """
     results = {}
     for n in ns:
         base = _run_worker("baseline", n)["rss"]
         for impl in IMPLS:
             gib = predicted_reference_gib(n)
-            if impl == "reference" and gib > REFERENCE_LIMIT_GIB:
+            if impl.startswith("reference") and gib > REFERENCE_LIMIT_GIB:
                 results[impl, n] = {"error": f"OOM (predicted {gib:.0f} GiB)"}
                 continue
-            res = _run_worker(impl, n)
-            if "rss" in res:
-                res["mem"] = max(res["rss"] - base, 0)
-            results[impl, n] = res
-            print(f"  N={n} {impl}: {res}", file=sys.stderr, flush=True)
+            runs = [(impl, None)]
+            if baseline_root and impl.startswith("blockwise"):
+                runs.append((impl + " before", baseline_root))
+            for name, root in runs:
+                res = _run_worker(impl, n, root)
+                if "rss" in res:
+                    res["mem"] = max(res["rss"] - base, 0)
+                    peak.add(res.pop("peaks"))
+                results[name, n] = res
+                print(f"  N={n} {name}: {res}", file=sys.stderr, flush=True)
     return results
+
+
+def before_after_table(results: dict, ns: list[int]) -> str:
+    """Markdown table: blockwise time before / after the change, and the speed-up."""
+    head = ["N", "no mask before (s)", "no mask after (s)", "speed-up",
+            "causal before (s)", "causal after (s)", "speed-up"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in ns:
+        row = [str(n)]
+        for impl in ("blockwise", "blockwise_causal"):
+            old, new = results[impl + " before", n], results[impl, n]
+            row += [_cell_time(old), _cell_time(new), _ratio(old, new, "time")]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def _cell_time(res: dict) -> str:
@@ -127,16 +181,39 @@ def _ratio(res: dict, ref: dict, field: str) -> str:
     return f"{res[field] / ref[field]:.2f}"
 
 
-def table(results: dict, ns: list[int]) -> str:
-    """Markdown table: times (s), memory (RSS delta / XLA temp, MiB), ratios."""
-    head = ["N"] + [f"{i} time (s)" for i in IMPLS] + [f"{i} mem (MiB)" for i in IMPLS]
-    head += ["blockwise/ref time", "blockwise/ref RSS", "blockwise/ref temp"]
+def _share(results: dict, impl: str, n: int, peak) -> str:
+    res = results[impl, n]
+    if "error" in res:
+        return "-"
+    return f"{100 * peak.mfu(useful_flops(impl, n) / res['time']):.0f}%"
+
+
+def table(results: dict, ns: list[int], peak) -> str:
+    """Markdown table: times (s), ratios and shares of the peak."""
+    head = ["N"] + [f"{i} (s)" for i in IMPLS]
+    head += ["blockwise / reference", "causal: blockwise / reference", "blockwise: causal speed-up",
+             "blockwise % of peak", "blockwise causal % of peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in ns:
-        row = [str(n)] + [_cell_time(results[i, n]) for i in IMPLS]
-        row += [_cell_mem(results[i, n]) for i in IMPLS]
+        r = {i: results[i, n] for i in IMPLS}
+        row = [str(n)] + [_cell_time(r[i]) for i in IMPLS]
+        row += [_ratio(r["blockwise"], r["reference"], "time"),
+                _ratio(r["blockwise_causal"], r["reference_causal"], "time"),
+                _ratio(r["blockwise"], r["blockwise_causal"], "time"),
+                _share(results, "blockwise", n, peak), _share(results, "blockwise_causal", n, peak)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(results: dict, ns: list[int]) -> str:
+    """Markdown table: memory (RSS delta / XLA temp, MiB) and blockwise / reference."""
+    impls = ("reference", "blockwise", "blockwise_causal", "local", "linear")
+    head = ["N"] + [f"{i} mem (MiB)" for i in impls] + ["blockwise/ref RSS", "blockwise/ref temp"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in ns:
         bw, ref = results["blockwise", n], results["reference", n]
-        row += [_ratio(bw, ref, "time"), _ratio(bw, ref, "mem"), _ratio(bw, ref, "temp")]
+        row = [str(n)] + [_cell_mem(results[i, n]) for i in impls]
+        row += [_ratio(bw, ref, "mem"), _ratio(bw, ref, "temp")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -144,20 +221,31 @@ def table(results: dict, ns: list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-n", type=int, default=32768)
+    parser.add_argument("--baseline-root", help="also time blockwise from this package root "
+                        "(a directory holding transformer_zoo/, e.g. links into a worktree of "
+                        "the previous commit), alternated with ours: a before/after table")
     parser.add_argument("--worker", choices=("baseline",) + IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.n)))
         return
-    ns = [n for n in (512 * 2**i for i in range(7)) if n <= args.max_n]
+    import matmul_peak
+
+    ns = [n for n in (256 * 2**i for i in range(8)) if n <= args.max_n]
     start = time.perf_counter()
-    results = measure(ns)
+    peak = matmul_peak.Peak()
+    results = measure(ns, peak, args.baseline_root)
     print(f"B=1, {HEADS} heads, head dim {HEAD_DIM}, float32, fwd+bwd; "
           f"jax {__import__('jax').__version__}, {os.cpu_count()} CPUs; "
           f"local: causal window {LOCAL_WINDOW}; linear: causal")
+    print(peak.describe())
+    print(table(results, ns, peak))
     print("mem = peak RSS minus a baseline process's / XLA memory_analysis temp bytes")
-    print(table(results, ns))
+    print(memory_table(results, ns))
+    if args.baseline_root:
+        print(f"before = {args.baseline_root}")
+        print(before_after_table(results, ns))
     print(f"total {time.perf_counter() - start:.0f} s")
 
 

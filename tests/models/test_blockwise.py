@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_zoo.models import blockwise, hardware_attention
+from transformer_zoo.models import blockwise, blockwise_tiles, hardware_attention
 from transformer_zoo.models.dot_product import (
     attention_scores,
     dot_product_attention,
@@ -50,6 +50,12 @@ def _mask(kind, B, T, S):
         return make_attention_mask(_segments(B, T, 1), causal=True)
     if kind == "window":
         return make_attention_mask(_segments(B, T, 2), causal=True, window=7)
+    if kind == "window_bidirectional":
+        return make_attention_mask(None, q_len=T, kv_len=S, window=9)
+    if kind == "offset_causal":
+        # Queries at positions 20.. (a chunk after a prefix), keys at 0..
+        return make_attention_mask(None, q_positions=jnp.arange(20, 20 + T)[None],
+                                   kv_len=S, causal=True)
     if kind == "dense_array":
         return jax.random.bernoulli(jax.random.PRNGKey(5), 0.7, (B, 1, T, S))
     if kind == "dense_extra":
@@ -93,6 +99,8 @@ CASES = [
     ("window", 1, 47, 47, 2, 2, 8, True),
     ("dense_array", 2, 24, 30, 2, 1, 8, False),
     ("dense_extra", 1, 35, 35, 4, 2, 8, True),
+    ("window_bidirectional", 2, 43, 43, 4, 2, 8, True),
+    ("offset_causal", 1, 30, 50, 4, 1, 8, False),
 ]
 
 
@@ -125,6 +133,83 @@ def test_blockwise_one_tile_and_default_blocks_match_xla():
     mask = make_attention_mask(None, q_len=300, causal=True)
     _compare(mask, q, k, v, None, rtol=1e-5, atol=2e-6, bq=blockwise.DEFAULT_BLOCK_Q,
              bk=blockwise.DEFAULT_BLOCK_KV)
+
+
+def _float64_reference(q, k, v, slopes, visible):
+    """Output and gradients of sum(out * cos(out)) in float64 numpy, by hand.
+
+    q [B, T, N, H], k/v [B, S, K, H], slopes [N], visible [B, 1, T, S].
+    """
+    q, k, v, slopes = (np.asarray(x, np.float64) for x in (q, k, v, slopes))
+    G = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)  # query head n uses key head n // G
+    dist = np.abs(np.arange(q.shape[1])[:, None] - np.arange(k.shape[1])[None])
+    scale = q.shape[-1] ** -0.5
+    s = np.einsum("btnh,bsnh->bnts", q, k) * scale - slopes[:, None, None] * dist
+    s = np.where(visible, s, -np.inf)
+    # Rows that see no key (padding) have zero weights and output.
+    p = np.where(visible, np.exp(s - np.where(visible, s, -1e300).max(-1, keepdims=True)), 0.0)
+    p /= np.maximum(p.sum(-1, keepdims=True), 1e-300)
+    out = np.einsum("bnts,bsnh->btnh", p, v)
+    d_out = np.cos(out) - out * np.sin(out)
+    dp = np.einsum("btnh,bsnh->bnts", d_out, v)
+    ds = p * (dp - np.sum(dp * p, -1, keepdims=True))
+    dq = np.einsum("bnts,bsnh->btnh", ds, k) * scale
+    dk = np.einsum("bnts,btnh->bsnh", ds, q) * scale
+    dv = np.einsum("bnts,btnh->bsnh", p, d_out)
+
+    def per_key_head(x):
+        return x.reshape(x.shape[:2] + (-1, G) + x.shape[3:]).sum(3)
+
+    return out, (dq, per_key_head(dk), per_key_head(dv), -np.einsum("bnts,ts->n", ds, dist))
+
+
+def test_default_blocks_across_tiles_match_float64():
+    # Three 512-query tiles (the last one padded), GQA, packed causal segments, ALiBi.
+    # Judged against float64: the slopes' gradient sums ~10^6 terms, where a
+    # float32 reference is itself ~2e-5 off.
+    q, k, v = _qkv(1, 1100, 1100, 4, 2, 8, seed=4)
+    mask = make_attention_mask(_segments(1, 1100, 9), causal=True)
+    slopes = jnp.linspace(0.05, 0.3, 4)
+    got = _loss_and_grads(lambda q, k, v, s: blockwise.blockwise_attention(
+        q, k, v, mask=mask, alibi_slopes=s), q, k, v, slopes)
+    ref = _float64_reference(q, k, v, slopes, np.asarray(mask.dense_mask()))
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kind,T,S", [
+    ("causal", 64, 64), ("causal", 40, 72), ("padding", 33, 41), ("segments_causal", 64, 64),
+    ("window", 64, 64), ("window_bidirectional", 64, 64), ("offset_causal", 30, 50),
+    ("dense_extra", 35, 35)])
+def test_tile_classes_never_skip_a_visible_key_nor_unmask_a_hidden_one(kind, T, S):
+    B, N, K = 2, 4, 2
+    mask = blockwise._as_attention_mask(_mask(kind, B, T, S), T, S)
+    cfg = blockwise_tiles.TileConfig(batch=B, kv_heads=K, groups=N // K, block_q=BQ,
+                                     block_kv=BK, dropout_rate=0.0, causal=mask.causal,
+                                     window=mask.window, has_mask=True)
+    blocks = blockwise._mask_blocks(mask, T, S, N, BQ, BK)
+    classes = np.asarray(blockwise_tiles.tile_classes(cfg, blocks))
+    nq, nk = -(-T // BQ), -(-S // BK)
+    assert classes.shape == (nq, nk)
+    exact = np.zeros((nq, nk), int)
+    for i in range(nq):
+        for j in range(nk):
+            tile = np.asarray(blockwise_tiles._tile_mask(cfg, blocks, i, j))
+            exact[i, j] = 2 if tile.all() else int(tile.any())
+    # HIDDEN and VISIBLE are certain; PARTIAL may stand for either (it masks exactly).
+    assert np.all(exact[classes == blockwise_tiles.HIDDEN] == blockwise_tiles.HIDDEN)
+    assert np.all(exact[classes == blockwise_tiles.VISIBLE] == blockwise_tiles.VISIBLE)
+    if kind == "causal" and T == S:
+        # Aligned tiles under a causal mask: exact; a tile is skipped when its
+        # first key comes after its last query.
+        np.testing.assert_array_equal(classes, exact)
+        i, j = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
+        np.testing.assert_array_equal(classes == blockwise_tiles.HIDDEN, j * BK > (i + 1) * BQ - 1)
+    else:
+        # Not uselessly conservative: some tile is skipped or left unmasked.
+        partial = blockwise_tiles.PARTIAL
+        assert (classes != partial).any() or (exact == partial).all()
 
 
 def test_fully_masked_rows_are_zero_with_finite_grads():
