@@ -9,8 +9,10 @@ embeddings, dropout 0.1 at torch.nn.Transformer's sites (sublayer outputs,
 attention weights, FFN hidden; plus the embeddings), label smoothing 0.1,
 Adam (0.9, 0.98, 1e-9), float32; batch 32 pairs x 32 source x 32 target tokens
 (no padding). Each framework runs in its own subprocess (a clean peak RSS, no
-shared thread pools); the peak is a 2048^3 float32 matmul (numpy and jax, the
-higher) measured in the same run. The two alternate for --rounds rounds (ours,
+shared thread pools). The peak is the best 2048^3 float32 matmul of the run
+(benchmarks/matmul_peak.py): sampled at the start and by every worker before
+and after its steps, so alternated with them; an MFU above 100% is refused as
+a peak measured on a busy machine. The two alternate for --rounds rounds (ours,
 torch, ours, torch, ...), so that a slow spell of a shared machine falls on
 both; each row pools its rounds' step times, and ours/torch is also printed
 per round. Both workers run with the malloc environment of `python -m transformer_zoo.train`
@@ -37,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+import matmul_peak  # benchmarks/matmul_peak.py, beside this script
 import numpy as np
 
 BATCH, SRC_LEN, TGT_LEN, VOCAB = 32, 32, 32, 8192
@@ -47,7 +50,7 @@ WARMUP_STEPS = 3
 # ---------------------------------------------------------------- the peak
 
 
-def matmul_peak() -> dict[str, float]:
+def start_peak() -> dict[str, float]:
     """FLOP/s of a 2048^3 float32 matmul, best of 5, in numpy and in jax."""
     import jax
     import jax.numpy as jnp
@@ -239,12 +242,16 @@ def main() -> None:
         parser.error(f"--steps must be >= 20 for a median, got {args.steps}")
     if args.worker:
         worker = (lambda steps: run_jax(steps, kernels[0])) if args.worker == "jax" else run_torch
-        print(json.dumps(worker(args.steps)))
+        peaks = matmul_peak.sample()
+        result = worker(args.steps)
+        result["peaks"] = peaks + matmul_peak.sample()
+        print(json.dumps(result))
         return
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    peaks = matmul_peak()
-    peak = max(peaks.values())
+    peaks = start_peak()
+    peak = matmul_peak.Peak()
+    peak.add(list(peaks.values()))
     frameworks = [("jax", k) for k in kernels]
     if not args.no_torch:
         try:
@@ -255,6 +262,8 @@ def main() -> None:
     malloc_env = _malloc_env(args.system_malloc)
     rounds = [[_child(f, args.steps, malloc_env, k) for f, k in frameworks]
               for _ in range(args.rounds)]
+    for result in (r for round_ in rounds for r in round_):
+        peak.add(result.pop("peaks"))
     _print([_pool([r[i] for r in rounds]) for i in range(len(frameworks))], peaks, peak)
     if frameworks[-1][0] == "torch":
         ratios = ", ".join(f"{r[0]['tokens_per_s'] / r[-1]['tokens_per_s']:.2f}x" for r in rounds)
@@ -283,9 +292,9 @@ def _pool(results: list[dict]) -> dict:
     return row
 
 
-def _print(rows: list[dict], peaks: dict, peak: float) -> None:
-    print(f"peak 2048^3 fp32 matmul: numpy {peaks['numpy'] / 1e9:.1f} GFLOP/s, "
-          f"jax {peaks['jax'] / 1e9:.1f} GFLOP/s (using {peak / 1e9:.1f})")
+def _print(rows: list[dict], peaks: dict, peak) -> None:
+    print(f"2048^3 fp32 matmul at the start: numpy {peaks['numpy'] / 1e9:.1f} GFLOP/s, "
+          f"jax {peaks['jax'] / 1e9:.1f} GFLOP/s; {peak.describe()}")
     ours = rows[0]
     print(f"model FLOPs/step: {model_flops(ours['non_embedding_params']) / 1e9:.2f} G "
           f"({ours['non_embedding_params'] / 1e6:.2f}M non-embedding params incl. output)")
@@ -294,7 +303,7 @@ def _print(rows: list[dict], peaks: dict, peak: float) -> None:
     print(head)
     print("|" + " --- |" * 8)
     for r in rows:
-        mfu = model_flops(r["non_embedding_params"]) / (r["ms_median"] / 1e3) / peak
+        mfu = peak.mfu(model_flops(r["non_embedding_params"]) / (r["ms_median"] / 1e3))
         print(f"| {r['name']} | {r['ms_median']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f}) "
               f"| {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / ours['tokens_per_s']:.2f}x "
               f"| {100 * mfu:.1f}% | {r['peak_rss_mib']:.0f} | {r['compile_s']:.1f} "
