@@ -180,7 +180,7 @@ def model_fields() -> dict[str, Field]:
 MODEL_FIELDS = model_fields()
 
 
-def check_model(values: Mapping) -> None:
+def check_model(values: Mapping) -> dict:
     """ValueError on an unknown key or an invalid value of the `model` section.
 
     Builds the ModelConfig with a stand-in vocabulary (and default special ids)
@@ -195,6 +195,7 @@ def check_model(values: Mapping) -> None:
                        if fields[k] is None}
     ModelConfig(**{**fields, "vocab_size": stand_in, **left_to_the_run,
                    "kernels": fields["kernels"] or Kernels.PORTABLE})
+    return fields
 
 
 # ---------------------------------------------------------------------------
@@ -281,7 +282,10 @@ DATA_TASKS: dict[str, dict[str, Field]] = {
         seq_length=Field(128, "context: characters per row", at_least=1),
         batch_size=Field(64, "global rows per batch", at_least=1),
         max_eval_batches=Field(None, "held-out batches per evaluation; None = all", int,
-                               at_least=1)),
+                               at_least=1),
+        long_eval_length=Field(None, "also score the whole held-out text at the end in rows of "
+                               "this many characters (e.g. 2 x seq_length: how RoPE/ALiBi "
+                               "extrapolate); None = no", int, at_least=1)),
     # data.tfds_text: a tfds dataset of sentences, sentencepiece, decoder_only.
     "tfds_text": _task(
         "tfds_text", _TFDS, _SENTENCEPIECE,
@@ -367,13 +371,22 @@ OPTIM_RANGES = {
 }
 
 
+def _check_long_eval(length: int | None, model: Mapping) -> None:
+    """A learned position table cannot score rows longer than itself."""
+    if length and model["position_encoding"] == "learned" and length > model["max_length"]:
+        raise ValueError(f"data.long_eval_length={length} is longer than the learned position "
+                         f"table (model.max_length={model['max_length']}); raise max_length or "
+                         "use position_encoding='rope' or 'alibi'")
+
+
 def check(config) -> None:
     """ValueError on an unknown key or a bad value in model, data, decode or train.
 
     Called before a run does any work (no tokenizer, no data, nothing written).
     """
-    check_model(config.model)
+    model = check_model(config.model)
     data_fields(config.data)
+    _check_long_eval(config.data.get("long_eval_length"), model)
     checked(config.decode, DECODE_FIELDS, "decode")
     checked(config.train, TRAIN_FIELDS, "train")
     optim = config.get("optim") or {}

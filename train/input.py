@@ -39,6 +39,8 @@ class Input:
         decoding metrics (exact match or BLEU); empty for LM/classification.
       test_examples: test examples decoded once at the end (data.test_source/
         test_target; never used for selection).
+      long_eval_batches: None, or held-out batches of data.long_eval_length
+        tokens per row, scored once at the end.
     """
 
     tokenizer: Any
@@ -46,6 +48,7 @@ class Input:
     eval_batches: Callable[[], Iterable[dict]]
     eval_examples: list[dict]
     test_examples: list[dict] = dataclasses.field(default_factory=list)
+    long_eval_batches: Callable[[], Iterable[dict]] | None = None
 
 
 def tokenizer_dir(workdir) -> Path:
@@ -228,7 +231,12 @@ def _lm_input(d, seed: int, train_ids: np.ndarray, eval_ids: np.ndarray, tokeniz
         ds = data.lm_windows(eval_ids, length=d.seq_length, batch_size=rows, train=False)
         return ds if not d.max_eval_batches else _take(ds, d.max_eval_batches)
 
-    return Input(tokenizer, train, eval_batches, [])
+    inp = Input(tokenizer, train, eval_batches, [])
+    long_length = d.get("long_eval_length")
+    if long_length:
+        inp.long_eval_batches = lambda: data.lm_windows(eval_ids, length=long_length,
+                                                        batch_size=rows, train=False)
+    return inp
 
 
 def _take(ds, n):

@@ -193,10 +193,14 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def evaluate(run: Run, eval_step, params) -> dict[str, float]:
-    """Held-out loss, accuracy and perplexity (over every process's eval shard)."""
+def evaluate(run: Run, eval_step, params, batches=None) -> dict[str, float]:
+    """Held-out loss, accuracy and perplexity (over every process's eval shard).
+
+    `batches` defaults to a fresh pass over run.input.eval_batches().
+    """
     sums = None
-    for batch in _eval_batches(run.input.eval_batches()):
+    batches = run.input.eval_batches() if batches is None else batches
+    for batch in _eval_batches(batches):
         out = jax.device_get(eval_step(params, batch))
         sums = out if sums is None else jax.tree.map(np.add, sums, out)
     if sums is None:
@@ -233,6 +237,8 @@ def final_scores(run: Run, params) -> dict[str, float]:
     test set) decodes data.test_source, if the recipe has one.
     """
     result = predict.score_examples(run, params)
+    if run.input.long_eval_batches is not None:
+        result.update(_long_context_scores(run, params))
     if run.task.family == Family.DECODER_ONLY and run.config.decode.sample_length:
         _print_sample(run, params)
     n = run.config.train.average_last
@@ -249,6 +255,16 @@ def final_scores(run: Run, params) -> dict[str, float]:
         scores = predict.score_examples(run, params, examples=run.input.test_examples, tag="test")
         result.update({f"test_{k}": v for k, v in scores.items()})
     return result
+
+
+def _long_context_scores(run: Run, params) -> dict[str, float]:
+    """The held-out loss in rows of data.long_eval_length tokens (RoPE/ALiBi beyond training)."""
+    step = make_eval_step(run.model, run.task, run.config.train.label_smoothing)
+    scores = evaluate(run, run.plan.jit_eval_step(step), params, run.input.long_eval_batches())
+    length = run.config.data.long_eval_length
+    log.info("held-out loss at context %d: %.4f", length, scores["loss"])
+    return {"long_context_length": float(length), "long_context_loss": scores["loss"],
+            "long_context_accuracy": scores["accuracy"]}
 
 
 def _print_sample(run: Run, params) -> None:

@@ -440,3 +440,26 @@ def test_decoder_only_trains_the_same_with_blockwise():
     ref, got = losses("xla"), losses("blockwise_test_tiles")
     assert ref[-1] < ref[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_over_masks_with_different_visible_tiles():
+    # Each vmapped element skips different tiles (its loops' trip counts are
+    # batched): queries at offsets 0, 17, 33 against keys at 20.., so some rows
+    # see no key at all and some tiles are hidden in one element only.
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (3, 1, 40, 2, 8)) for key in ks)
+    offsets = jnp.array([0, 17, 33])
+
+    def attend(impl):
+        def one(q, k, v, offset):
+            mask = make_attention_mask(None, q_positions=(jnp.arange(40) + offset)[None],
+                                       kv_positions=jnp.arange(40)[None] + 20, causal=True)
+            return impl(q, k, v, mask)
+        return lambda q, k, v: jnp.sum(jnp.sin(jax.vmap(one)(q, k, v, offsets)))
+
+    ours = attend(lambda q, k, v, m: blockwise.blockwise_attention(q, k, v, mask=m, block_q=BQ,
+                                                                    block_kv=BK))
+    ref = attend(lambda q, k, v, m: dot_product_attention(q, k, v, mask=m))
+    got, want = (jax.value_and_grad(f, (0, 1, 2))(q, k, v) for f in (ours, ref))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)

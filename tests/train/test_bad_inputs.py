@@ -67,6 +67,11 @@ TRAIN_CASES = {
     "train_file_not_utf8": (MULTI30K, (*_FILES, "--config.data.train_source={bad_utf8}",
                                        "--config.data.train_target={good}"),
                             "data.train_source: {bad_utf8} is not valid UTF-8 (byte 3"),
+    "long_eval_beyond_learned_positions": (
+        "configs/tinyshakespeare.py", ("--config.data.path={good}", "--config.data.seq_length=4",
+                                       "--config.data.long_eval_length=128"),
+        "data.long_eval_length=128 is longer than the learned position table "
+        "(model.max_length=64)"),
 }
 # Trained once, for the decode cases (seconds each).
 RUNS = {"ed": (), "do": ("--config.family=decoder_only",)}

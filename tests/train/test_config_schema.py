@@ -57,6 +57,11 @@ RECORDED = {  # recipe: its fields that differ from RECORDED_BASE (wmt14_ende_ba
     "tinyshakespeare": dict(d_ff=512, d_model=128, dropout_rate=0.0, ffn_activation="gelu",
                             max_length=64, norm_position="pre", num_decoder_layers=4,
                             num_encoder_layers=0, num_heads=4, position_encoding="learned"),
+    # Not recorded before the change (added since): the char LM at context 2048.
+    "shakespeare_long": dict(attention_impl="blockwise", d_ff=512, d_model=128, dropout_rate=0.0,
+                             ffn_activation="gelu", max_length=4096, norm_position="pre",
+                             num_decoder_layers=4, num_encoder_layers=0, num_heads=2,
+                             position_encoding="rope"),
     "wmt14_ende_base": {},
     "wmt14_ende_big": dict(d_ff=4096, d_model=1024, dropout_rate=0.3, num_heads=16),
     "tests.train.tiny_config": dict(d_ff=64, d_model=32, dropout_rate=0.05, max_length=32,

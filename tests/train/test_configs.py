@@ -12,7 +12,7 @@ from transformer_zoo.train.input import build_input
 from transformer_zoo.train.tasks import build_model, model_config_from
 
 RECIPES = ["default", "multi30k", "wmt14_ende_base", "wmt14_ende_big", "lm1b", "tinyshakespeare",
-           "sorted"]
+           "shakespeare_long", "sorted"]
 
 
 def _config(name):
@@ -48,6 +48,15 @@ def test_tinyshakespeare_recipe_is_the_usual_one():
     assert (c.data.seq_length, c.data.batch_size, c.train.num_steps) == (64, 12, 2000)
     assert (c.optim.name, c.optim.b2, c.optim.learning_rate) == ("adamw", 0.99, 1e-3)
     assert (c.optim.warmup_steps, c.optim.end_learning_rate) == (100, 1e-4)
+
+
+def test_long_context_recipe_is_the_char_lm_at_context_2048():
+    short, long = _config("tinyshakespeare"), _config("shakespeare_long")
+    differ = {k for k in short.model if short.model[k] != long.model[k]}
+    assert differ == {"num_heads", "position_encoding", "attention_impl", "max_length"}
+    assert (long.model.position_encoding, long.model.attention_impl) == ("rope", "blockwise")
+    assert (long.data.seq_length, long.data.long_eval_length) == (2048, 4096)
+    assert long.model.max_length >= long.data.long_eval_length
 
 
 def test_missing_data_path_names_it(tmp_path):

@@ -481,3 +481,40 @@ def test_run_header_shows_devices_mesh_model_and_command_line_overrides(tmp_path
     assert "train.num_steps=2" in overrides and "optim.learning_rate=0.004" in overrides
     assert "seed" not in overrides  # only what the command line gave
     assert out.count("devices: ") == 1  # printed once
+
+
+def _char_lm_config(corpus, **model):
+    from transformer_zoo.configs import tinyshakespeare
+
+    config = tinyshakespeare.get_config()
+    config.model.update(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1, **model)
+    config.data.update(path=str(corpus), seq_length=16, batch_size=4)
+    config.train.update(num_steps=10, log_every=5, eval_every=10, checkpoint_every=10)
+    config.optim.update(warmup_steps=2)
+    config.decode.update(sample_length=0)
+    return config
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+def test_long_context_loss_scores_the_held_out_text_in_longer_rows(tmp_path, position):
+    corpus = tmp_path / "corpus.txt"
+    rng = np.random.default_rng(0)
+    corpus.write_text("".join(rng.choice(list("abcdefgh \n"), size=4000)))
+    config = _char_lm_config(corpus, position_encoding=position, attention_impl="blockwise")
+    # At the training length it is the ordinary held-out loss over all the text ...
+    config.data.long_eval_length = 16
+    same = train_and_evaluate(config, tmp_path / "same")
+    assert same["long_context_length"] == 16
+    np.testing.assert_allclose(same["long_context_loss"], same["loss"], rtol=1e-6)
+    # ... and at 4x it is the same model scored in 64-character rows: equal to
+    # the loss computed here from the restored parameters.
+    config.data.long_eval_length = 64
+    longer = train_and_evaluate(config, tmp_path / "longer")
+    run = load_run(tmp_path / "longer")
+    held_out = np.asarray(run.tokenizer.encode(corpus.read_text()), np.int32)[3600:]
+    rows = held_out[: len(held_out) // 64 * 64].reshape(-1, 64)
+    logits = run.model.apply({"params": run.params}, rows)  # logits[:, t] predicts rows[:, t]
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64))
+    nll = -np.take_along_axis(logp, rows[..., None], axis=-1).mean()
+    np.testing.assert_allclose(longer["long_context_loss"], nll, rtol=1e-4)
+    assert longer["long_context_loss"] != pytest.approx(longer["loss"], rel=1e-3)
