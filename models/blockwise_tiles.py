@@ -7,7 +7,8 @@ along the query axis (GQA: query head n = k * G + g uses key head k). Every
 product is then one batched matmul over R whose left operand contracts its
 last axis, the layout GEMM kernels take directly; the two backward products
 that contract over queries are formed transposed (dV^T = dO^T P,
-dK^T = Q^T dS) from Q^T and dO^T written once. Tiles are classified once
+dK^T = Q^T dS) from Q^T and dO^T written once, as K^T and V^T are for the
+scores and dP, instead of XLA transposing a tile per step. Tiles are classified once
 per call (hidden / cut by the mask / wholly visible); hidden tiles are
 skipped and only cut tiles evaluate and apply the mask.
 """
