@@ -233,6 +233,10 @@ def _lm_input(d, seed: int, train_ids: np.ndarray, eval_ids: np.ndarray, tokeniz
 
     inp = Input(tokenizer, train, eval_batches, [])
     long_length = d.get("long_eval_length")
+    if long_length and len(eval_ids) < long_length:
+        # Found now, not after training, when the rows are first cut.
+        raise ValueError(f"data.long_eval_length={long_length} is longer than the held-out "
+                         f"text ({len(eval_ids)} tokens)")
     if long_length:
         inp.long_eval_batches = lambda: data.lm_windows(eval_ids, length=long_length,
                                                         batch_size=rows, train=False)
@@ -253,8 +257,9 @@ def _text_file(d, seed: int, workdir: Path) -> Input:
     split = int(len(text) * d.train_fraction)
     tokenizer = _saved_or(workdir, lambda: data.CharTokenizer.build([text[:split]]))
     ids = np.asarray(tokenizer.encode(text), np.int32)
+    inp = _lm_input(d, seed, ids[:split], ids[split:], tokenizer)  # may refuse the lengths
     logging.info("char corpus: %d characters, %d train", len(text), split)
-    return _lm_input(d, seed, ids[:split], ids[split:], tokenizer)
+    return inp
 
 
 def _tfds_text(d, seed: int, workdir: Path) -> Input:

@@ -72,6 +72,10 @@ TRAIN_CASES = {
                                        "--config.data.long_eval_length=128"),
         "data.long_eval_length=128 is longer than the learned position table "
         "(model.max_length=64)"),
+    "long_eval_beyond_held_out_text": (
+        "configs/shakespeare_long.py", ("--config.data.path={good}", "--config.data.seq_length=2",
+                                        "--config.data.long_eval_length=8"),
+        "data.long_eval_length=8 is longer than the held-out text (3 tokens)"),
 }
 # Trained once, for the decode cases (seconds each).
 RUNS = {"ed": (), "do": ("--config.family=decoder_only",)}
