@@ -47,30 +47,6 @@ D_MODEL, HEADS, D_FF, LAYERS, DROPOUT, SMOOTHING = 256, 4, 1024, 3, 0.1, 0.1
 WARMUP_STEPS = 3
 
 
-# ---------------------------------------------------------------- the peak
-
-
-def start_peak() -> dict[str, float]:
-    """FLOP/s of a 2048^3 float32 matmul, best of 5, in numpy and in jax."""
-    import jax
-    import jax.numpy as jnp
-
-    n = 2048
-    rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    out = {}
-    for name, fn, args in (("numpy", np.matmul, (a, b)),
-                           ("jax", jax.jit(jnp.matmul), (jnp.asarray(a), jnp.asarray(b)))):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        out[name] = 2 * n**3 / min(times)
-    return out
-
-
 def model_flops(non_embedding_params: int) -> float:
     """FLOPs of one step by the MFU formula (forward + backward = 3x forward)."""
     dense = 6 * non_embedding_params * BATCH * TGT_LEN
@@ -249,9 +225,8 @@ def main() -> None:
         return
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    peaks = start_peak()
     peak = matmul_peak.Peak()
-    peak.add(list(peaks.values()))
+    peak.add(matmul_peak.sample(repeats=5))
     frameworks = [("jax", k) for k in kernels]
     if not args.no_torch:
         try:
@@ -264,7 +239,7 @@ def main() -> None:
               for _ in range(args.rounds)]
     for result in (r for round_ in rounds for r in round_):
         peak.add(result.pop("peaks"))
-    _print([_pool([r[i] for r in rounds]) for i in range(len(frameworks))], peaks, peak)
+    _print([_pool([r[i] for r in rounds]) for i in range(len(frameworks))], peak)
     if frameworks[-1][0] == "torch":
         ratios = ", ".join(f"{r[0]['tokens_per_s'] / r[-1]['tokens_per_s']:.2f}x" for r in rounds)
         print(f"ours / torch per round: {ratios}")
@@ -292,9 +267,8 @@ def _pool(results: list[dict]) -> dict:
     return row
 
 
-def _print(rows: list[dict], peaks: dict, peak) -> None:
-    print(f"2048^3 fp32 matmul at the start: numpy {peaks['numpy'] / 1e9:.1f} GFLOP/s, "
-          f"jax {peaks['jax'] / 1e9:.1f} GFLOP/s; {peak.describe()}")
+def _print(rows: list[dict], peak) -> None:
+    print(peak.describe())
     ours = rows[0]
     print(f"model FLOPs/step: {model_flops(ours['non_embedding_params']) / 1e9:.2f} G "
           f"({ours['non_embedding_params'] / 1e6:.2f}M non-embedding params incl. output)")

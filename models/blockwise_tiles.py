@@ -233,10 +233,10 @@ def flash(cfg, q, k, v, slopes, blocks, rng):
     Returns:
       [nq, R, G * bq, Hv] float32.
     """
-    return _forward(cfg, q, k, v, slopes, blocks, rng)[0]
+    return _forward(cfg, q, k, v, slopes, blocks, rng, tile_classes(cfg, blocks))[0]
 
 
-def _forward(cfg, q, k, v, slopes, blocks, rng, classes=None):
+def _forward(cfg, q, k, v, slopes, blocks, rng, classes):
     """Online softmax over key tiles for every query tile.
 
     Returns:
@@ -246,8 +246,6 @@ def _forward(cfg, q, k, v, slopes, blocks, rng, classes=None):
     nq, nk = q.shape[0], k.shape[0]
     # Transposed once here rather than per tile inside the loop.
     k_t = jnp.swapaxes(k, -1, -2)
-    if classes is None:
-        classes = tile_classes(cfg, blocks)
     order = _tile_order(classes, inner_axis=1)
 
     def query_tile(i):

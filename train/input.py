@@ -233,11 +233,10 @@ def _lm_input(d, seed: int, train_ids: np.ndarray, eval_ids: np.ndarray, tokeniz
 
     inp = Input(tokenizer, train, eval_batches, [])
     long_length = d.get("long_eval_length")
-    if long_length and len(eval_ids) < long_length:
-        # Found now, not after training, when the rows are first cut.
-        raise ValueError(f"data.long_eval_length={long_length} is longer than the held-out "
-                         f"text ({len(eval_ids)} tokens)")
     if long_length:
+        if len(eval_ids) < long_length:  # found now, not after training
+            raise ValueError(f"data.long_eval_length={long_length} is longer than the held-out "
+                             f"text ({len(eval_ids)} tokens)")
         inp.long_eval_batches = lambda: data.lm_windows(eval_ids, length=long_length,
                                                         batch_size=rows, train=False)
     return inp
