@@ -6,6 +6,8 @@ running sum `l` and an unnormalised output `acc` are updated key block by key
 block, so only a [Tb, Sb] tile of scores ever exists. A `jax.custom_vjp`
 recomputes the tiles in the backward pass from the saved log-sum-exp, so the
 backward pass stores no [T, S] matrix either: memory is O((T + S) * block).
+A problem that fits in one tile has no memory to save and is computed as plain
+softmax attention, differentiated by autodiff (`single_tile`).
 
 Masks are evaluated per tile from an `AttentionMask` (positions, segment ids,
 causality, window, dense extra): tiles with no visible key (the future under a
@@ -24,7 +26,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from transformer_zoo.models.blockwise_tiles import MaskBlocks, TileConfig, flash
+from transformer_zoo.models.blockwise_tiles import MaskBlocks, TileConfig, flash, single_tile
 from transformer_zoo.models.dot_product import register_attention_impl
 from transformer_zoo.models.masks import AttentionMask
 
@@ -93,8 +95,10 @@ def blockwise_attention(
     # [bq, bk] tile; autodiff scales dQ by the same factor outside `flash`.
     scale = H**-0.5 if scale is None else scale
     scaled = query * jnp.asarray(scale, query.dtype)
-    out = flash(cfg, _q_blocks(scaled, K, bq), _kv_blocks(key, bk), _kv_blocks(value, bk),
-                slopes, blocks, dropout_rng if dropout_rate > 0.0 else None)
+    q, k, v = _q_blocks(scaled, K, bq), _kv_blocks(key, bk), _kv_blocks(value, bk)
+    # One tile (T <= block_q and S <= block_kv) has no memory to save: plain autodiff.
+    tiles = single_tile if q.shape[0] == k.shape[0] == 1 else flash
+    out = tiles(cfg, q, k, v, slopes, blocks, dropout_rng if dropout_rate > 0.0 else None)
     # [nq, B * K, G * bq, Hv] -> [B, T, N, Hv]
     Hv = value.shape[-1]
     out = out.reshape(-1, B, K, N // K, bq, Hv).transpose(1, 0, 4, 2, 3, 5)

@@ -104,11 +104,19 @@ CASES = [
 ]
 
 
+# Small tiles (the online softmax over several tiles) and the default ones, which
+# hold each case in one tile (plain autodiff).
+TILINGS = pytest.mark.parametrize("bq,bk", [(BQ, BK), (blockwise.DEFAULT_BLOCK_Q,
+                                                       blockwise.DEFAULT_BLOCK_KV)],
+                                  ids=["tiles", "one_tile"])
+
+
+@TILINGS
 @pytest.mark.parametrize("kind,B,T,S,N,K,H,alibi", CASES)
-def test_blockwise_matches_xla_fp32(kind, B, T, S, N, K, H, alibi):
+def test_blockwise_matches_xla_fp32(kind, B, T, S, N, K, H, alibi, bq, bk):
     q, k, v = _qkv(B, T, S, N, K, H, seed=T)
     slopes = jnp.linspace(0.05, 0.5, N) if alibi else None
-    _compare(_mask(kind, B, T, S), q, k, v, slopes, rtol=1e-5, atol=2e-6)
+    _compare(_mask(kind, B, T, S), q, k, v, slopes, rtol=1e-5, atol=2e-6, bq=bq, bk=bk)
 
 
 @pytest.mark.parametrize("kind", ["causal", "segments_causal"])
@@ -212,14 +220,15 @@ def test_tile_classes_never_skip_a_visible_key_nor_unmask_a_hidden_one(kind, T, 
         assert (classes != partial).any() or (exact == partial).all()
 
 
-def test_fully_masked_rows_are_zero_with_finite_grads():
+@TILINGS
+def test_fully_masked_rows_are_zero_with_finite_grads(bq, bk):
     B, T, N, H = 1, 30, 2, 8
     q, k, v = _qkv(B, T, T, N, N, H)
     seg = jnp.asarray([[1] * 20 + [0] * 10], jnp.int32)  # the last 10 queries see nothing
     mask = make_attention_mask(seg, causal=True)
     out, grads = _loss_and_grads(
-        lambda q, k, v, s: blockwise.blockwise_attention(q, k, v, mask=mask, block_q=BQ,
-                                                         block_kv=BK), q, k, v, None)
+        lambda q, k, v, s: blockwise.blockwise_attention(q, k, v, mask=mask, block_q=bq,
+                                                         block_kv=bk), q, k, v, None)
     np.testing.assert_array_equal(np.asarray(out[:, 20:]), 0.0)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
     np.testing.assert_array_equal(np.asarray(grads[0][:, 20:]), 0.0)
@@ -242,26 +251,27 @@ def test_causal_skips_future_key_tiles():
     assert bool(jnp.all(jnp.isfinite(vjp(jnp.ones_like(out))[0][:, :T])))
 
 
-def _dense_keep(rate, rng, B, N, T, S, K):
+def _dense_keep(rate, rng, B, N, T, S, K, bq=BQ, bk=BK):
     """The [B, N, T, S] keep mask blockwise draws, assembled tile by tile."""
-    G = N // K
+    G, bq, bk = N // K, min(bq, T), min(bk, S)  # tiles no longer than the sequence
     rows = []
-    for i in range(-(-T // BQ)):
+    for i in range(-(-T // bq)):
         tiles = []
-        for j in range(-(-S // BK)):
+        for j in range(-(-S // bk)):
             keep = keep_mask(jax.random.fold_in(jax.random.fold_in(rng, i), j), rate,
-                             (B, K, G, BQ, BK))
-            tiles.append(keep.reshape(B, N, BQ, BK))
+                             (B, K, G, bq, bk))
+            tiles.append(keep.reshape(B, N, bq, bk))
         rows.append(jnp.concatenate(tiles, axis=-1))
     return jnp.concatenate(rows, axis=-2)[:, :, :T, :S]
 
 
-def test_dropout_matches_dense_reference_with_same_keep_mask():
+@TILINGS
+def test_dropout_matches_dense_reference_with_same_keep_mask(bq, bk):
     B, T, N, K, H, rate = 2, 27, 4, 2, 8, 0.3
     q, k, v = _qkv(B, T, T, N, K, H)
     rng = jax.random.PRNGKey(11)
     mask = make_attention_mask(_segments(B, T, 4), causal=True)
-    keep = _dense_keep(rate, rng, B, N, T, T, K)
+    keep = _dense_keep(rate, rng, B, N, T, T, K, bq, bk)
 
     def reference(q, k, v):
         w = masked_softmax(attention_scores(q, k, H**-0.5), mask.dense_mask())
@@ -269,7 +279,7 @@ def test_dropout_matches_dense_reference_with_same_keep_mask():
 
     def ours(q, k, v):
         return blockwise.blockwise_attention(q, k, v, mask=mask, dropout_rate=rate,
-                                             dropout_rng=rng, block_q=BQ, block_kv=BK)
+                                             dropout_rng=rng, block_q=bq, block_kv=bk)
 
     got = _loss_and_grads(lambda q, k, v, s: ours(q, k, v), q, k, v, None)
     ref = _loss_and_grads(lambda q, k, v, s: reference(q, k, v), q, k, v, None)
