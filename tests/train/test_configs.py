@@ -11,8 +11,8 @@ from transformer_zoo.models import EncoderDecoder
 from transformer_zoo.train.input import build_input
 from transformer_zoo.train.tasks import build_model, model_config_from
 
-RECIPES = ["default", "multi30k", "wmt14_ende_base", "wmt14_ende_big", "lm1b", "tinyshakespeare",
-           "shakespeare_long", "sorted"]
+RECIPES = ["default", "multi30k", "multi30k_deen", "wmt14_ende_base", "wmt14_ende_big", "lm1b",
+           "tinyshakespeare", "shakespeare_long", "sorted"]
 
 
 def _config(name):
@@ -57,6 +57,20 @@ def test_long_context_recipe_is_the_char_lm_at_context_2048():
     assert (long.model.position_encoding, long.model.attention_impl) == ("rope", "blockwise")
     assert (long.data.seq_length, long.data.long_eval_length) == (2048, 4096)
     assert long.model.max_length >= long.data.long_eval_length
+
+
+def test_deen_recipe_is_the_ende_one_with_the_sides_swapped():
+    ende, deen = _config("multi30k"), _config("multi30k_deen")
+    for split in ("train", "eval", "test"):
+        assert deen.data[f"{split}_source"] == ende.data[f"{split}_target"]
+        assert deen.data[f"{split}_target"] == ende.data[f"{split}_source"]
+        assert deen.data[f"{split}_source"].endswith(".de")
+    paths = {f"{split}_{side}" for split in ("train", "eval", "test")
+             for side in ("source", "target")}
+    assert {k: v for k, v in deen.data.items() if k not in paths} == {
+        k: v for k, v in ende.data.items() if k not in paths}
+    for section in ("model", "optim", "train", "decode"):
+        assert deen[section].to_dict() == ende[section].to_dict(), section
 
 
 def test_missing_data_path_names_it(tmp_path):
