@@ -17,6 +17,9 @@ def base_config(task: str = "numbers") -> ml_collections.ConfigDict:
     config.seed = 0  # parameters, dropout (fold_in(step)) and data shuffling
     config.family = "encoder_decoder"  # encoder_decoder | decoder_only | encoder_only
     config.init_from = ""  # another run's workdir: start from its latest params (fine-tuning)
+    # Overrides by section (data=dict(seq_length=64), ...) trained first, in
+    # WORKDIR/pre_stage; the run then starts from its params (train/stages.py).
+    config.pre_stage = ml_collections.ConfigDict()
     config.model = schema.section(schema.MODEL_FIELDS)  # vocab_size: the tokenizer's
     config.data = schema.data_section(task)  # the fields of schema.DATA_TASKS[task]
 

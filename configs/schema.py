@@ -180,6 +180,13 @@ def model_fields() -> dict[str, Field]:
 MODEL_FIELDS = model_fields()
 
 
+# Model fields that regularise or say how to compute, not what the model computes:
+# a run may set them apart from the run whose params it starts from (init_from).
+FINE_TUNABLE_MODEL_FIELDS = frozenset({
+    "dropout_rate", "attention_dropout_rate", "activation_dropout_rate", "attention_impl",
+    "dtype", "param_dtype", "kernels"})
+
+
 def check_model(values: Mapping) -> dict:
     """ValueError on an unknown key or an invalid value of the `model` section.
 

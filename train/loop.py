@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import math
 import signal
@@ -24,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from transformer_zoo.configs import schema
-from transformer_zoo.train import inspect, parallel, plots, predict, workdir_lock
+from transformer_zoo.train import inspect, parallel, plots, predict, stages, workdir_lock
 from transformer_zoo.train.checkpoint import (
     Checkpointer,
     average_checkpoints,
@@ -131,17 +132,12 @@ def _adopt_tokenizer(source: Path, workdir: Path) -> None:
     multihost_utils.sync_global_devices("init_from tokenizer copied")
 
 
-# Fields that regularise or say how to compute, not what the model computes.
-_FINE_TUNABLE = frozenset({"dropout_rate", "attention_dropout_rate", "activation_dropout_rate",
-                           "attention_impl", "dtype", "param_dtype", "kernels"})
-
-
 def _check_same_model(source: Checkpointer, step: int, run: Run) -> None:
     """ValueError naming the model fields in which init_from's model and this run's differ."""
     theirs = source.restore_config(step).get("model", {})
     ours = model_config_dict(run.model_config)
     differ = {k: (theirs[k], ours[k]) for k in sorted(set(theirs) & set(ours))
-              if k not in _FINE_TUNABLE and theirs[k] != ours[k]}
+              if k not in schema.FINE_TUNABLE_MODEL_FIELDS and theirs[k] != ours[k]}
     if differ:
         raise ValueError(f"init_from={run.config.init_from!r} holds another model: "
                          + ", ".join(f"model.{k} is {a!r} there, {b!r} here"
@@ -327,26 +323,32 @@ def _check_params_finite(step: int, params) -> None:
                                  f"{step}; not saving them. The last good checkpoint is kept.")
 
 
-def print_run_header(run: Run) -> None:
-    """Prints, once at the start: devices, mesh, the model summary and the config overrides.
+def command_line_overrides(config) -> dict:
+    """The `--config.<field>=<value>` flags given to `python -m transformer_zoo.train`.
 
-    The overrides are the `--config.<field>=<value>` flags given to `python -m
-    transformer_zoo.train` (ml_collections records them on its config flag): how
-    this run's config differs from its recipe file. They are shown only when
-    `run.config` is the config those flags built; a config passed to
-    train_and_evaluate from Python has no command line and shows none. The model
-    summary (models/summary.py) takes the run's row length as L.
+    ml_collections records them on its config flag: how this run's config differs
+    from its recipe file. They are returned only when `config` is the config those
+    flags built; a config passed to train_and_evaluate from Python has no command
+    line and gets {}.
     """
     from absl import flags
     from ml_collections import config_flags
 
+    from_flags = ("config" in flags.FLAGS and flags.FLAGS.is_parsed()
+                  and flags.FLAGS["config"].value is config)
+    return config_flags.get_override_values(flags.FLAGS["config"]) if from_flags else {}
+
+
+def print_run_header(run: Run, overrides: dict) -> None:
+    """Prints, once at the start: devices, mesh, the model summary and the config overrides.
+
+    `overrides` are the command line's (`command_line_overrides`). The model
+    summary (models/summary.py) takes the run's row length as L.
+    """
     from transformer_zoo.models.summary import DEFAULT_SEQ_LEN, format_summary
 
     devices, mesh = list(run.plan.mesh.devices.flat), run.plan.mesh
     kinds = ", ".join(sorted({d.device_kind for d in devices}))
-    from_flags = ("config" in flags.FLAGS and flags.FLAGS.is_parsed()
-                  and flags.FLAGS["config"].value is run.config)
-    overrides = config_flags.get_override_values(flags.FLAGS["config"]) if from_flags else {}
     data = run.config.data
     seq_len = next((data[k] for k in ("max_targets_length", "seq_length", "max_inputs_length")
                     if data.get(k)), DEFAULT_SEQ_LEN)
@@ -363,15 +365,20 @@ def print_run_header(run: Run) -> None:
 
 
 def train_and_evaluate(config, workdir) -> dict[str, float]:
-    """Trains (resuming if WORKDIR has checkpoints), evaluates, decodes; returns metrics."""
+    """Trains (resuming if WORKDIR has checkpoints), evaluates, decodes; returns metrics.
+
+    A recipe with a `pre_stage` first trains that in WORKDIR/pre_stage and starts
+    from its params (train/stages.py).
+    """
     with CompileTimer() as timer:
-        result = _train_and_evaluate(config, workdir)
+        train = functools.partial(_train_and_evaluate, overrides=command_line_overrides(config))
+        result = stages.run_with_pre_stage(config, workdir, train)
     log.info("compilation (tracing + lowering + XLA): %.1f s in %d programs", timer.seconds,
              timer.compiles)
     return result
 
 
-def _train_and_evaluate(config, workdir) -> dict[str, float]:
+def _train_and_evaluate(config, workdir, overrides: dict) -> dict[str, float]:
     parallel.initialize_distributed(config.parallel)  # before anything touches devices
     schema.check(config)  # before the workdir is created or locked
     Path(workdir).mkdir(parents=True, exist_ok=True)
@@ -379,14 +386,14 @@ def _train_and_evaluate(config, workdir) -> dict[str, float]:
     lock = (workdir_lock.exclusive(workdir) if jax.process_index() == 0
             else contextlib.nullcontext())
     with lock:
-        return _locked_train_and_evaluate(config, workdir)
+        return _locked_train_and_evaluate(config, workdir, overrides)
 
 
-def _locked_train_and_evaluate(config, workdir) -> dict[str, float]:
+def _locked_train_and_evaluate(config, workdir, overrides: dict) -> dict[str, float]:
     run = setup(config, workdir)
     state, data_state = restore_or_start(run)  # fails before anything is written
     if jax.process_index() == 0:
-        print_run_header(run)
+        print_run_header(run, overrides)
         write_json(run.workdir / "config.json", saved_config(run))
     train_iter = iter(run.input.train)
     if data_state:
