@@ -12,6 +12,7 @@ One command then trains the pre-stage in WORKDIR/pre_stage (resumable like any
 run, skipped once finished), and the run itself in WORKDIR from the pre-stage's
 final params (`init_from`, so the optimizer starts afresh with the run's own
 schedule). The model must be the same in both: `init_from` refuses another.
+`--config.pre_stage.train.num_steps=0` switches a recipe's pre-stage off.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def split(config) -> tuple[object | None, object]:
         have (naming it and the section's fields), or a value it refuses.
     """
     overrides = config.get("pre_stage") or {}
-    if not overrides:
-        return None, config
+    if not overrides or (overrides.get("train") or {}).get("num_steps") == 0:
+        return None, config  # none, or switched off (--config.pre_stage.train.num_steps=0)
     stage = copy.deepcopy(config)
     stage.pre_stage = {}
     for name, values in overrides.items():

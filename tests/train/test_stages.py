@@ -89,6 +89,13 @@ def test_a_pre_stage_of_another_model_is_refused_before_training(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_zero_pre_stage_steps_switch_it_off():
+    config = _staged_config()
+    config.pre_stage.train.num_steps = 0
+    stage, run = split(config)
+    assert stage is None and run is config
+
+
 def test_a_pre_stage_may_change_how_the_model_computes():
     stage, run = split(_staged_config(dropout_rate=0.0, attention_impl="blockwise"))
     assert (stage.model.dropout_rate, stage.model.attention_impl) == (0.0, "blockwise")
