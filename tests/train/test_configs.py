@@ -59,6 +59,17 @@ def test_long_context_recipe_is_the_char_lm_at_context_2048():
     assert long.model.max_length >= long.data.long_eval_length
 
 
+def test_long_context_recipe_first_trains_the_same_model_at_context_64():
+    from transformer_zoo.train.stages import split
+
+    stage, run = split(_config("shakespeare_long"))
+    assert stage.model.to_dict() == run.model.to_dict()
+    assert (stage.data.seq_length, stage.data.batch_size) == (64, 12)
+    assert (run.data.seq_length, run.data.batch_size) == (2048, 1)
+    assert stage.train.num_steps > 10 * run.train.num_steps
+    assert not stage.data.long_eval_length and not stage.decode.sample_length
+
+
 def test_deen_recipe_is_the_ende_one_with_the_sides_swapped():
     ende, deen = _config("multi30k"), _config("multi30k_deen")
     for split in ("train", "eval", "test"):
