@@ -74,7 +74,8 @@ TRAIN_CASES = {
         "(model.max_length=64)"),
     "long_eval_beyond_held_out_text": (
         "configs/shakespeare_long.py", ("--config.data.path={good}", "--config.data.seq_length=2",
-                                        "--config.data.long_eval_length=8"),
+                                        "--config.data.long_eval_length=8",
+                                        "--config.pre_stage.train.num_steps=0"),
         "data.long_eval_length=8 is longer than the held-out text (3 tokens)"),
 }
 # Trained once, for the decode cases (seconds each).
