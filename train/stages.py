@@ -28,11 +28,14 @@ STAGE_DIR = "pre_stage"
 
 
 def split(config) -> tuple[object | None, object]:
-    """(the pre-stage's config or None, the run's config), both checked.
+    """(the pre-stage's config, checked, or None; the run's config, as given).
+
+    The run's config is checked by the loop that trains it.
 
     Raises:
       ValueError: a pre_stage section or field that the run config does not
-        have (naming it and the section's fields), or a value it refuses.
+        have (naming it and the section's fields), a value it refuses, or a
+        model field that would change what the model computes.
     """
     overrides = config.get("pre_stage") or {}
     if not overrides or (overrides.get("train") or {}).get("num_steps") == 0:
@@ -48,13 +51,13 @@ def split(config) -> tuple[object | None, object]:
             if key not in section:
                 fields = {k: None for k in section}
                 raise schema.unknown_key(key, fields, f"pre_stage.{name}", name)
-            _check_same_model(name, key, value, section[key])
+            _check_model_kept(name, key, value, section[key])
             section[key] = value
     schema.check(stage)
     return stage, config
 
 
-def _check_same_model(section: str, key: str, value, run_value) -> None:
+def _check_model_kept(section: str, key: str, value, run_value) -> None:
     """The run starts from the pre-stage's params: only how to compute may differ."""
     if section == "model" and key not in schema.FINE_TUNABLE_MODEL_FIELDS and value != run_value:
         raise ValueError(f"pre_stage.model.{key}={value!r} differs from model.{key}="
