@@ -9,8 +9,12 @@ last axis, the layout GEMM kernels take directly; the two backward products
 that contract over queries are formed transposed (dV^T = dO^T P,
 dK^T = Q^T dS) from Q^T and dO^T written once, as K^T and V^T are for the
 scores and dP, instead of XLA transposing a tile per step. Tiles are classified once
-per call (hidden / cut by the mask / wholly visible); hidden tiles are
-skipped and only cut tiles evaluate and apply the mask.
+per call (hidden / cut by the mask / wholly visible / cut with a hidden
+corner); hidden tiles are skipped and only cut tiles evaluate and apply the
+mask. A cut tile whose first half of queries sees none of its second half of
+keys (a causal mask's diagonal tiles) is computed as two parts, 3/4 of the
+tile: the first half of its queries against the first half of its keys, and
+the second half of its queries against all of them.
 """
 
 from __future__ import annotations
@@ -28,8 +32,18 @@ from transformer_zoo.models.masks import NEG_INF, AttentionMask
 
 Array = Any
 
-# Tile classes: what the mask leaves visible of a tile.
-HIDDEN, PARTIAL, VISIBLE = 0, 1, 2
+# Tile classes: what the mask leaves visible of a tile. CORNER is a PARTIAL
+# tile whose first half of queries sees none of its second half of keys.
+HIDDEN, PARTIAL, VISIBLE, CORNER = 0, 1, 2, 3
+
+
+class _Part(NamedTuple):
+    """The static query rows [q0, q1) and keys [k0, k1) of a tile that a step computes."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +75,39 @@ class MaskBlocks(NamedTuple):
     dense: Array | None
 
 
+def _full(cfg: TileConfig) -> _Part:
+    return _Part(0, cfg.block_q, 0, cfg.block_kv)
+
+
+def _splits_corners(cfg: TileConfig) -> bool:
+    """Whether cut tiles with a hidden corner can be computed in two parts (even tiles)."""
+    return cfg.has_mask and cfg.block_q % 2 == 0 and cfg.block_kv % 2 == 0
+
+
+def _corner_parts(cfg: TileConfig) -> tuple[_Part, _Part]:
+    """A CORNER tile's two parts: first half of queries x first half of keys, rest x all."""
+    hq, hk = cfg.block_q // 2, cfg.block_kv // 2
+    return _Part(0, hq, 0, hk), _Part(hq, cfg.block_q, 0, cfg.block_kv)
+
+
+def _part_rows(cfg: TileConfig, x: Array, part: _Part, axis: int = 1) -> Array:
+    """The rows [q0, q1) of every group from x's [G * bq] axis (the tiles' query axis)."""
+    if (part.q0, part.q1) == (0, cfg.block_q):
+        return x
+    axis %= x.ndim
+    shape = x.shape
+    x = x.reshape(shape[:axis] + (cfg.groups, cfg.block_q) + shape[axis + 1:])
+    x = lax.slice_in_dim(x, part.q0, part.q1, axis=axis + 1)
+    return x.reshape(shape[:axis] + (-1,) + shape[axis + 1:])
+
+
+def _join_rows(cfg: TileConfig, top: Array, bottom: Array, axis: int = 1) -> Array:
+    """Inverse of `_part_rows` for the two row halves of a CORNER tile."""
+    G, shape = cfg.groups, top.shape
+    halves = [x.reshape(shape[:axis] + (G, -1) + shape[axis + 1:]) for x in (top, bottom)]
+    return jnp.concatenate(halves, axis=axis + 1).reshape(shape[:axis] + (-1,) + shape[axis + 1:])
+
+
 def _rows(cfg: TileConfig, x: Array) -> Array:
     """[B|1, K|1, G|1, bq, bk] -> [R, G * bq, bk], the tiles' layout."""
     B, K, G = cfg.batch, cfg.kv_heads, cfg.groups
@@ -68,8 +115,8 @@ def _rows(cfg: TileConfig, x: Array) -> Array:
     return x.reshape(B * K, G * x.shape[-2], x.shape[-1])
 
 
-def _tile_mask(cfg: TileConfig, blocks: MaskBlocks, i, j) -> Array:
-    """The [B|1, K|1, G|1, bq, bk] bool mask of tile (i, j)."""
+def _tile_mask(cfg: TileConfig, blocks: MaskBlocks, i, j, part: _Part) -> Array:
+    """The [B|1, K|1, G|1, q1 - q0, k1 - k0] bool mask of `part` of tile (i, j)."""
     dense = None
     if blocks.dense is not None:
         d = blocks.dense
@@ -82,41 +129,45 @@ def _tile_mask(cfg: TileConfig, blocks: MaskBlocks, i, j) -> Array:
         dense=dense,
         causal=cfg.causal,
         window=cfg.window,
-    ).block()
+    ).block(slice(part.q0, part.q1), slice(part.k0, part.k1))
     b, n, tq, tk = tile.shape
     return tile.reshape(b, cfg.kv_heads, cfg.groups, tq, tk) if n > 1 else tile[:, :, None]
 
 
-def _tile_distance(blocks: MaskBlocks, i, j) -> Array:
-    """|q_pos - kv_pos| of tile (i, j): [B|1, 1, 1, bq, bk] float32 (for ALiBi)."""
-    delta = blocks.q_pos[i][:, :, None] - blocks.kv_pos[j][:, None, :]
+def _tile_distance(blocks: MaskBlocks, i, j, part: _Part) -> Array:
+    """|q_pos - kv_pos| of `part` of tile (i, j): [B|1, 1, 1, q1 - q0, k1 - k0] float32."""
+    q_pos = blocks.q_pos[i][:, part.q0:part.q1]
+    delta = q_pos[:, :, None] - blocks.kv_pos[j][:, None, part.k0:part.k1]
     return jnp.abs(delta).astype(jnp.float32)[:, None, None]
 
 
-def _alibi_bias(cfg: TileConfig, slopes: Array, blocks: MaskBlocks, i, j) -> Array:
-    """slope * |q_pos - kv_pos| of tile (i, j): [R, G * bq, bk]."""
-    return _rows(cfg, slopes[None, :, :, None, None] * _tile_distance(blocks, i, j))
+def _alibi_bias(cfg: TileConfig, slopes: Array, blocks: MaskBlocks, i, j, part: _Part) -> Array:
+    """slope * |q_pos - kv_pos| of `part` of tile (i, j): [R, G * (q1 - q0), k1 - k0]."""
+    return _rows(cfg, slopes[None, :, :, None, None] * _tile_distance(blocks, i, j, part))
 
 
-def _tile_scores(cfg, q_i, k_t, slopes, blocks, i, j):
-    """(ALiBi-biased) float32 scores [R, G * bq, bk] of pre-scaled queries.
+def _tile_scores(cfg, q_i, k_t, slopes, blocks, i, j, part):
+    """(ALiBi-biased) float32 scores [R, G * (q1 - q0), k1 - k0] of pre-scaled queries.
 
-    k_t is the key tile transposed, [R, H, bk], as the GEMM kernels read it.
+    q_i holds `part`'s rows and k_t its keys, transposed ([R, H, k1 - k0]) as
+    the GEMM kernels read them.
     """
     s = jnp.einsum("rqh,rhs->rqs", q_i, k_t, preferred_element_type=jnp.float32)
     if slopes is not None:
-        s = s - _alibi_bias(cfg, slopes, blocks, i, j)
+        s = s - _alibi_bias(cfg, slopes, blocks, i, j, part)
     return s
 
 
-def _keep_mask(cfg: TileConfig, rng, i, j) -> Array:
-    """Dropout keep mask of tile (i, j), [R, G * bq, bk]: a pure function of (rng, i, j).
+def _keep_mask(cfg: TileConfig, rng, i, j, part: _Part) -> Array:
+    """Dropout keep mask of `part` of tile (i, j), [R, G * (q1 - q0), k1 - k0].
 
-    Drawn as [B, K, G, bq, bk], so the bits do not depend on the layout.
+    A pure function of (rng, i, j): drawn for the whole tile as
+    [B, K, G, bq, bk], so the bits depend neither on the layout nor on the part.
     """
     tile_rng = jax.random.fold_in(jax.random.fold_in(rng, i), j)
     shape = (cfg.batch, cfg.kv_heads, cfg.groups, cfg.block_q, cfg.block_kv)
-    return _rows(cfg, keep_mask(tile_rng, cfg.dropout_rate, shape))
+    keep = keep_mask(tile_rng, cfg.dropout_rate, shape)
+    return _rows(cfg, keep[..., part.q0:part.q1, part.k0:part.k1])
 
 
 def _dropped(cfg: TileConfig, x: Array, keep: Array | None) -> Array:
@@ -130,15 +181,33 @@ def tile_classes(cfg: TileConfig, blocks: MaskBlocks) -> Array | None:
 
     Decided from each tile's least and greatest position and segment id (and
     the dense mask's tile, if any), so it costs O(nq * nk) and no tile's mask
-    is evaluated. The class is conservative: a tile called PARTIAL may be
-    wholly visible or hidden (it then evaluates its mask exactly), but HIDDEN
-    and VISIBLE are certain. Computed once per call; the backward pass reuses
-    the forward's.
+    is evaluated. The class is conservative: a tile called PARTIAL or CORNER
+    may be wholly visible or hidden (it then evaluates its mask exactly), but
+    HIDDEN, VISIBLE and a CORNER tile's hidden corner are certain. Computed
+    once per call; the backward pass reuses the forward's.
     """
     if not cfg.has_mask:
         return None
     q = _Extent(blocks.q_pos, blocks.q_seg, rows=True)
     kv = _Extent(blocks.kv_pos, blocks.kv_seg, rows=False)
+    hidden, visible = _hidden_visible(cfg, q, kv, blocks.dense)
+    classes = jnp.where(visible, VISIBLE, jnp.where(hidden, HIDDEN, PARTIAL))
+    if not _splits_corners(cfg):
+        return classes
+    # The corner of the first half of queries and the second half of keys.
+    hq, hk = cfg.block_q // 2, cfg.block_kv // 2
+    q = _Extent(blocks.q_pos[..., :hq], blocks.q_seg[..., :hq], rows=True)
+    kv = _Extent(blocks.kv_pos[..., hk:], blocks.kv_seg[..., hk:], rows=False)
+    dense = blocks.dense
+    if dense is not None:
+        dense = dense[..., :hq, :] if dense.shape[4] > 1 else dense
+        dense = dense[..., hk:] if dense.shape[5] > 1 else dense
+    corner_hidden, _ = _hidden_visible(cfg, q, kv, dense)
+    return jnp.where((classes == PARTIAL) & corner_hidden, CORNER, classes)
+
+
+def _hidden_visible(cfg: TileConfig, q: _Extent, kv: _Extent, dense: Array | None):
+    """[nq, nk] bool: tiles certainly hidden and certainly visible for every batch row."""
     # Segment 0 is padding and sees nothing; other segments see only themselves.
     hidden = (q.seg_max < kv.seg_min) | (q.seg_min > kv.seg_max)
     hidden |= (q.seg_max == 0) | (kv.seg_max == 0)
@@ -156,13 +225,13 @@ def tile_classes(cfg: TileConfig, blocks: MaskBlocks) -> Array | None:
         half = cfg.window // 2
         hidden |= (lo > half) | (hi < -half)
         visible &= (hi <= half) & (lo >= -half)
-    if blocks.dense is not None:
+    if dense is not None:
         # [nq|1, nk|1, B|1, N|1, bq|1, bk|1] -> [nq|1, nk|1, B|1]
-        dense = blocks.dense.reshape(blocks.dense.shape[:3] + (-1,))
+        dense = dense.reshape(dense.shape[:3] + (-1,))
         hidden |= ~dense.any(-1)
         visible &= dense.all(-1)
     # A tile is hidden (visible) only if it is so for every batch row.
-    return jnp.where(visible.all(-1), VISIBLE, jnp.where(hidden.all(-1), HIDDEN, PARTIAL))
+    return hidden.all(-1), visible.all(-1)
 
 
 class _Extent:
@@ -182,39 +251,49 @@ class _Extent:
 
 
 class _Order(NamedTuple):
-    """Per outer tile, the inner tiles to visit: the wholly visible ones, then the cut ones.
+    """Per outer tile, the inner tiles to visit, grouped by class.
 
     order: [n_outer, n_inner] inner indices, VISIBLE first, then PARTIAL, then
-    HIDDEN (never visited); visible, cut: [n_outer] counts.
+    CORNER, then HIDDEN (never visited); counts: the classes visited, each with
+    its [n_outer] count (CORNER only where tiles can be split).
     """
 
     order: Array
-    visible: Array
-    cut: Array
+    counts: tuple[tuple[int, Array], ...]
 
 
-def _tile_order(classes: Array | None, inner_axis: int) -> _Order | None:
+# The order in which an outer tile visits its inner tiles' classes.
+_VISIT = (VISIBLE, PARTIAL, CORNER, HIDDEN)
+
+
+def _tile_order(cfg: TileConfig, classes: Array | None, inner_axis: int) -> _Order | None:
     if classes is None:
         return None
-    rank = jnp.where(classes == VISIBLE, 0, jnp.where(classes == PARTIAL, 1, 2))
+    rank = jnp.zeros_like(classes)
+    for r, kind in enumerate(_VISIT):
+        rank = jnp.where(classes == kind, r, rank)
     rank = rank if inner_axis == 1 else rank.T
     order = jnp.argsort(rank, axis=1, stable=True).astype(jnp.int32)
-    return _Order(order, (rank == 0).sum(1), (rank == 1).sum(1))
+    kinds = _VISIT[:3] if _splits_corners(cfg) else _VISIT[:2]
+    return _Order(order, tuple((kind, (rank == _VISIT.index(kind)).sum(1)) for kind in kinds))
 
 
 def _over_tiles(order: _Order | None, outer, n_inner: int, step, carry):
-    """Folds `step(inner, masked, carry)` over the visible inner tiles of `outer`.
+    """Folds `step(inner, kind, carry)` over the visible inner tiles of `outer`.
 
-    Two loops, with no conditional in either: the wholly visible tiles
-    unmasked, then the tiles the mask cuts through, masked. Hidden tiles (the
-    future under a causal mask, other windows or segments) are never visited.
+    One loop per class, with no conditional in any: the wholly visible tiles
+    unmasked, then the tiles the mask cuts through, masked, then the cut tiles
+    with a hidden corner, in two parts. Hidden tiles (the future under a causal
+    mask, other windows or segments) are never visited.
     """
     if order is None:
-        return lax.fori_loop(0, n_inner, lambda t, c: step(t, False, c), carry)
-    row, n_visible = order.order[outer], order.visible[outer]
-    carry = lax.fori_loop(0, n_visible, lambda t, c: step(row[t], False, c), carry)
-    return lax.fori_loop(n_visible, n_visible + order.cut[outer],
-                         lambda t, c: step(row[t], True, c), carry)
+        return lax.fori_loop(0, n_inner, lambda t, c: step(t, VISIBLE, c), carry)
+    row, start = order.order[outer], 0
+    for kind, count in order.counts:
+        stop = start + count[outer]
+        carry = lax.fori_loop(start, stop, lambda t, c, kind=kind: step(row[t], kind, c), carry)
+        start = stop
+    return carry
 
 
 def single_tile(cfg, q, k, v, slopes, blocks, rng):
@@ -225,8 +304,9 @@ def single_tile(cfg, q, k, v, slopes, blocks, rng):
     Same inputs, mask, dropout bits (tile (0, 0)) and outputs as `flash`;
     rows that see no key get zero output.
     """
-    s = _tile_scores(cfg, q[0], jnp.swapaxes(k[0], -1, -2), slopes, blocks, 0, 0)
-    mask = _rows(cfg, _tile_mask(cfg, blocks, 0, 0)) if cfg.has_mask else None
+    full = _full(cfg)
+    s = _tile_scores(cfg, q[0], jnp.swapaxes(k[0], -1, -2), slopes, blocks, 0, 0, full)
+    mask = _rows(cfg, _tile_mask(cfg, blocks, 0, 0, full)) if cfg.has_mask else None
     if mask is not None:
         s = jnp.where(mask, s, NEG_INF)
     # The max only keeps exp in range; softmax does not depend on it.
@@ -235,7 +315,7 @@ def single_tile(cfg, q, k, v, slopes, blocks, rng):
         p = jnp.where(mask, p, 0.0)  # rows that see nothing: exp(0) == 1 everywhere
     total = p.sum(-1, keepdims=True)
     p = p / jnp.where(total > 0, total, 1.0)
-    keep = _keep_mask(cfg, rng, 0, 0) if rng is not None else None
+    keep = _keep_mask(cfg, rng, 0, 0, full) if rng is not None else None
     pv = _dropped(cfg, p, keep).astype(v.dtype)
     return jnp.einsum("rqs,rsh->rqh", pv, v[0], preferred_element_type=jnp.float32)[None]
 
@@ -269,7 +349,7 @@ def _forward(cfg, q, k, v, slopes, blocks, rng, classes):
     nq, nk = q.shape[0], k.shape[0]
     # Transposed once here rather than per tile inside the loop.
     k_t = jnp.swapaxes(k, -1, -2)
-    order = _tile_order(classes, inner_axis=1)
+    order = _tile_order(cfg, classes, inner_axis=1)
 
     def query_tile(i):
         q_i = q[i]
@@ -298,12 +378,22 @@ class _TileForward:
     blocks: MaskBlocks
     rng: Array | None
 
-    def step(self, i, j, masked, carry):
-        """One online-softmax update of (max, sum, acc) with key tile j."""
+    def step(self, i, j, kind, carry):
+        """The online-softmax update of (max, sum, acc) with key tile j of class `kind`."""
+        cfg = self.cfg
+        if kind != CORNER:
+            return self._update(i, j, _full(cfg), kind == PARTIAL, carry)
+        halves = [self._update(i, j, part, True, tuple(_part_rows(cfg, c, part) for c in carry))
+                  for part in _corner_parts(cfg)]
+        return tuple(_join_rows(cfg, top, bottom) for top, bottom in zip(*halves, strict=True))
+
+    def _update(self, i, j, part, masked, carry):
+        """One online-softmax update of `part`'s query rows with its keys of tile j."""
         m, total, acc = carry
-        cfg, v_j = self.cfg, self.v[j]
-        s = _tile_scores(cfg, self.q_i, self.k_t[j], self.slopes, self.blocks, i, j)
-        mask = _rows(cfg, _tile_mask(cfg, self.blocks, i, j)) if masked else None
+        cfg, v_j = self.cfg, self.v[j][:, part.k0:part.k1]
+        q_i, k_t = _part_rows(cfg, self.q_i, part), self.k_t[j][..., part.k0:part.k1]
+        s = _tile_scores(cfg, q_i, k_t, self.slopes, self.blocks, i, j, part)
+        mask = _rows(cfg, _tile_mask(cfg, self.blocks, i, j, part)) if masked else None
         if mask is not None:
             s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, s.max(-1))
@@ -312,7 +402,7 @@ class _TileForward:
             # A row masked so far has m_new == NEG_INF and exp(0) == 1: zero it.
             p = jnp.where(mask, p, 0.0)
         corr = jnp.exp(m - m_new)
-        keep = _keep_mask(cfg, self.rng, i, j) if self.rng is not None else None
+        keep = _keep_mask(cfg, self.rng, i, j, part) if self.rng is not None else None
         pv = _dropped(cfg, p, keep).astype(v_j.dtype)
         pv = jnp.einsum("rqs,rsh->rqh", pv, v_j, preferred_element_type=jnp.float32)
         return m_new, total * corr + p.sum(-1), acc * corr[..., None] + pv
@@ -334,7 +424,7 @@ def _flash_bwd(cfg, res, d_out):
     queries = _QueryTiles(q, jnp.swapaxes(q, -1, -2), d_out, jnp.swapaxes(d_out, -1, -2),
                           lse, delta)
     k_t, v_t = jnp.swapaxes(k, -1, -2), jnp.swapaxes(v, -1, -2)
-    order = _tile_order(classes, inner_axis=0)
+    order = _tile_order(cfg, classes, inner_axis=0)
 
     def key_tile(dq, j):
         dk0 = jnp.zeros(k.shape[1:2] + k.shape[3:] + k.shape[2:3], jnp.float32)
@@ -342,8 +432,8 @@ def _flash_bwd(cfg, res, d_out):
         dsl0 = jnp.zeros((cfg.kv_heads, cfg.groups), jnp.float32)
         tile = _TileGrad(cfg, queries, k[j], k_t[j], v_t[j], slopes, blocks, rng)
 
-        def query_tile(i, masked, carry):
-            return tile.step(i, j, masked, carry)
+        def query_tile(i, kind, carry):
+            return tile.step(i, j, kind, carry)
 
         dq, dk_t, dv_t, dsl = _over_tiles(order, j, q.shape[0], query_tile, (dq, dk0, dv0, dsl0))
         return dq, (jnp.swapaxes(dk_t, -1, -2), jnp.swapaxes(dv_t, -1, -2), dsl)
@@ -377,26 +467,52 @@ class _TileGrad:
     blocks: MaskBlocks
     rng: Array | None
 
-    def step(self, i, j, masked, carry):
-        """Adds tile (i, j)'s contributions to (dq, dk_j^T, dv_j^T, dslopes)."""
+    def step(self, i, j, kind, carry):
+        """Adds tile (i, j)'s contributions (of class `kind`) to (dq, dk_j^T, dv_j^T, dslopes)."""
         dq, dk_t, dv_t, dsl = carry
+        cfg = self.cfg
+        if kind != CORNER:
+            g = self._grads(i, j, _full(cfg), kind == PARTIAL)
+            return dq.at[i].add(g.dq), dk_t + g.dk_t, dv_t + g.dv_t, dsl + g.dsl
+        top, bottom = _corner_parts(cfg)
+        a, b = self._grads(i, j, top, True), self._grads(i, j, bottom, True)
+        # The top part saw only the first half of the keys.
+        dk_t = (dk_t + b.dk_t).at[..., :top.k1].add(a.dk_t)
+        dv_t = (dv_t + b.dv_t).at[..., :top.k1].add(a.dv_t)
+        return dq.at[i].add(_join_rows(cfg, a.dq, b.dq)), dk_t, dv_t, dsl + a.dsl + b.dsl
+
+    def _grads(self, i, j, part, masked) -> _Grads:
+        """The gradients of `part` of tile (i, j): dq of its rows, dk^T and dv^T of its keys."""
         cfg, qs, f32 = self.cfg, self.queries, jnp.float32
-        do_t = qs.do_t[i]
-        s = _tile_scores(cfg, qs.q[i], self.k_t, self.slopes, self.blocks, i, j)
-        p = jnp.exp(s - qs.lse[i][..., None])
+        k0, k1 = part.k0, part.k1
+        q, q_t = _part_rows(cfg, qs.q[i], part), _part_rows(cfg, qs.q_t[i], part, axis=-1)
+        do, do_t = _part_rows(cfg, qs.do[i], part), _part_rows(cfg, qs.do_t[i], part, axis=-1)
+        lse, delta = _part_rows(cfg, qs.lse[i], part), _part_rows(cfg, qs.delta[i], part)
+        s = _tile_scores(cfg, q, self.k_t[..., k0:k1], self.slopes, self.blocks, i, j, part)
+        p = jnp.exp(s - lse[..., None])
         if masked:
-            p = jnp.where(_rows(cfg, _tile_mask(cfg, self.blocks, i, j)), p, 0.0)
-        keep = _keep_mask(cfg, self.rng, i, j) if self.rng is not None else None
+            p = jnp.where(_rows(cfg, _tile_mask(cfg, self.blocks, i, j, part)), p, 0.0)
+        keep = _keep_mask(cfg, self.rng, i, j, part) if self.rng is not None else None
         pd = _dropped(cfg, p, keep).astype(do_t.dtype)
-        dv_t = dv_t + jnp.einsum("rhq,rqs->rhs", do_t, pd, preferred_element_type=f32)
-        dp = jnp.einsum("rqh,rhs->rqs", qs.do[i], self.v_t, preferred_element_type=f32)
-        ds = p * (_dropped(cfg, dp, keep) - qs.delta[i][..., None])
-        dq = dq.at[i].add(jnp.einsum("rqs,rsh->rqh", ds, self.k_j, preferred_element_type=f32))
-        dk_t = dk_t + jnp.einsum("rhq,rqs->rhs", qs.q_t[i], ds, preferred_element_type=f32)
+        dv_t = jnp.einsum("rhq,rqs->rhs", do_t, pd, preferred_element_type=f32)
+        dp = jnp.einsum("rqh,rhs->rqs", do, self.v_t[..., k0:k1], preferred_element_type=f32)
+        ds = p * (_dropped(cfg, dp, keep) - delta[..., None])
+        dq = jnp.einsum("rqs,rsh->rqh", ds, self.k_j[:, k0:k1], preferred_element_type=f32)
+        dk_t = jnp.einsum("rhq,rqs->rhs", q_t, ds, preferred_element_type=f32)
+        dsl = jnp.zeros((), f32)
         if self.slopes is not None:
-            ds5 = ds.reshape(cfg.batch, cfg.kv_heads, cfg.groups, cfg.block_q, cfg.block_kv)
-            dsl = dsl - jnp.sum(ds5 * _tile_distance(self.blocks, i, j), axis=(0, 3, 4))
-        return dq, dk_t, dv_t, dsl
+            ds5 = ds.reshape(cfg.batch, cfg.kv_heads, cfg.groups, part.q1 - part.q0, k1 - k0)
+            dsl = -jnp.sum(ds5 * _tile_distance(self.blocks, i, j, part), axis=(0, 3, 4))
+        return _Grads(dq, dk_t, dv_t, dsl)
+
+
+class _Grads(NamedTuple):
+    """One tile part's gradient contributions."""
+
+    dq: Array  # [R, G * (q1 - q0), H]
+    dk_t: Array  # [R, H, k1 - k0]
+    dv_t: Array  # [R, Hv, k1 - k0]
+    dsl: Array  # [K, G] or 0.0 without ALiBi
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)
