@@ -88,6 +88,8 @@ def blockwise_attention(
         causal=mask is not None and mask.causal,
         window=None if mask is None else mask.window,
         has_mask=mask is not None or S % bk != 0,
+        segments=S % bk != 0 or (mask is not None and (
+            mask.q_segment_ids is not None or mask.kv_segment_ids is not None)),
     )
     blocks = _mask_blocks(mask, T, S, N, bq, bk)
     slopes = None if alibi_slopes is None else alibi_slopes.astype(jnp.float32).reshape(K, N // K)

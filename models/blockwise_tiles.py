@@ -59,6 +59,9 @@ class TileConfig:
     causal: bool
     window: int | None
     has_mask: bool
+    # Whether tiles compare segment ids (the mask has them, or padded keys
+    # need hiding); without, a cut tile's mask is its positions' alone.
+    segments: bool = True
 
 
 class MaskBlocks(NamedTuple):
@@ -124,8 +127,8 @@ def _tile_mask(cfg: TileConfig, blocks: MaskBlocks, i, j, part: _Part) -> Array:
     tile = AttentionMask(
         q_positions=blocks.q_pos[i],
         kv_positions=blocks.kv_pos[j],
-        q_segment_ids=blocks.q_seg[i],
-        kv_segment_ids=blocks.kv_seg[j],
+        q_segment_ids=blocks.q_seg[i] if cfg.segments else None,
+        kv_segment_ids=blocks.kv_seg[j] if cfg.segments else None,
         dense=dense,
         causal=cfg.causal,
         window=cfg.window,

@@ -96,6 +96,7 @@ CASES = [
     # kind, B, T, S, N, K, H, alibi
     ("none", 2, 37, 37, 4, 4, 8, False),
     ("causal", 1, 50, 50, 4, 2, 16, False),
+    ("causal", 1, 64, 64, 4, 2, 16, False),  # tiles divide S: no segment ids compared
     ("causal", 2, 29, 45, 2, 1, 8, True),
     ("padding", 2, 33, 41, 4, 2, 8, False),
     ("segments_causal", 2, 40, 40, 6, 3, 8, True),
