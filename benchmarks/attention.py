@@ -3,13 +3,17 @@
     python benchmarks/attention.py --max-n 16384   # N = 512 ... 16384 (~6 min on 2 cores)
     python benchmarks/attention.py                 # up to N = 32768
     python benchmarks/attention.py --max-n 2048    # quick look
+    python benchmarks/attention.py --max-n 16384 --rounds 2   # each cell the best of 2 sweeps
 
 For each sequence length N (B=1, 8 heads, head dim 64, float32) it times
 jax.grad of sum(attention(q, k, v)) w.r.t. q, k, v for
 `jax.nn.dot_product_attention` (the outside reference, without and with
 is_causal) and this package's `blockwise` (without and with a causal mask),
 `local` (causal, window 512) and `linear` (causal) implementations, each
-(impl, N) in a fresh subprocess.
+(impl, N) in a fresh subprocess. A cell's time is the best of its timed runs,
+and with --rounds R the whole sweep runs R times and each cell keeps its best:
+other processes on the machine only ever add time, and the peak it is divided
+by is a best-of too.
 
 "% of peak" is useful FLOPs / time / the fp32 matmul peak
 (benchmarks/matmul_peak.py: every worker samples a 2048^3 matmul before and
@@ -69,8 +73,8 @@ def _attention_fn(impl: str, n: int):
 
 
 def _repeats(n: int) -> int:
-    """Timed runs (the median is reported): many where a run takes milliseconds."""
-    return 15 if n <= 1024 else 5 if n <= 4096 else 3 if n <= 8192 else 1
+    """Timed runs (the best is reported): many where a run takes milliseconds."""
+    return 15 if n <= 1024 else 7 if n <= 4096 else 3 if n <= 8192 else 2
 
 
 def useful_flops(impl: str, n: int) -> float:
@@ -103,7 +107,8 @@ def worker(impl: str, n: int) -> dict:
         times.append(time.perf_counter() - start)
     peaks += matmul_peak.sample()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"time": sorted(times)[len(times) // 2], "rss": rss, "temp": temp, "peaks": peaks}
+    return {"time": min(times), "median": sorted(times)[len(times) // 2], "rss": rss,
+            "temp": temp, "peaks": peaks}
 
 
 def _warm_up(compiled, args, seconds: float = 0.3) -> None:
@@ -142,12 +147,34 @@ def predicted_reference_gib(n: int) -> float:
     return 3 * n * n * HEADS * 4 / GIB
 
 
-def measure(ns: list[int], peak, baseline_root: str | None = None) -> dict:
+def measure(ns: list[int], peak, baseline_root: str | None = None, rounds: int = 1) -> dict:
     """{(impl, N): result} for every impl and N, printing progress; samples go to `peak`.
 
     With `baseline_root`, each blockwise (impl, N) also runs from that package
-    root, right after ours (alternated), as (impl + " before", N).
+    root, right after ours (alternated), as (impl + " before", N). The sweep
+    runs `rounds` times; a cell keeps its best time and its largest memory.
     """
+    results = {}
+    for _ in range(rounds):
+        for key, res in _sweep(ns, peak, baseline_root).items():
+            results[key] = _better(results.get(key), res)
+    return results
+
+
+def _better(old: dict | None, new: dict) -> dict:
+    """The faster of two results of one cell, with the larger of their memory figures."""
+    if old is None or "error" in old:
+        return new
+    if "error" in new:
+        return old
+    best = dict(min(old, new, key=lambda r: r["time"]))
+    for field in ("mem", "rss", "temp"):
+        best[field] = max(old[field], new[field])
+    return best
+
+
+def _sweep(ns: list[int], peak, baseline_root: str | None) -> dict:
+    """One pass of `measure` over every N and impl."""
     results = {}
     for n in ns:
         base = _run_worker("baseline", n)["rss"]
@@ -237,6 +264,8 @@ def memory_table(results: dict, ns: list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-n", type=int, default=32768)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="sweeps over every (impl, N); each cell keeps its best time")
     parser.add_argument("--baseline-root", help="also time blockwise from this package root "
                         "(a directory holding transformer_zoo/, e.g. links into a worktree of "
                         "the previous commit), alternated with ours: a before/after table")
@@ -251,9 +280,12 @@ def main() -> None:
     ns = [n for n in (256 * 2**i for i in range(8)) if n <= args.max_n]
     start = time.perf_counter()
     peak = matmul_peak.Peak()
-    results = measure(ns, peak, args.baseline_root)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    results = measure(ns, peak, args.baseline_root, args.rounds)
     print(f"B=1, {HEADS} heads, head dim {HEAD_DIM}, float32, fwd+bwd; "
-          f"jax {__import__('jax').__version__}, {os.cpu_count()} CPUs; "
+          f"jax {__import__('jax').__version__}, {os.cpu_count()} CPUs; best of "
+          f"{args.rounds} sweep(s); "
           f"local: causal window {LOCAL_WINDOW}; linear: causal")
     print(peak.describe())
     print(table(results, ns, peak))
