@@ -161,15 +161,23 @@ def _tile_scores(cfg, q_i, k_t, slopes, blocks, i, j, part):
     return s
 
 
-def _keep_mask(cfg: TileConfig, rng, i, j, part: _Part) -> Array:
-    """Dropout keep mask of `part` of tile (i, j), [R, G * (q1 - q0), k1 - k0].
+def _tile_keep(cfg: TileConfig, rng, i, j) -> Array | None:
+    """Dropout keep bits of tile (i, j), [B, K, G, bq, bk]; None without dropout.
 
-    A pure function of (rng, i, j): drawn for the whole tile as
-    [B, K, G, bq, bk], so the bits depend neither on the layout nor on the part.
+    A pure function of (rng, i, j), drawn for the whole tile once per step, so
+    the bits depend neither on the layout nor on how the tile is split.
     """
+    if rng is None:
+        return None
     tile_rng = jax.random.fold_in(jax.random.fold_in(rng, i), j)
     shape = (cfg.batch, cfg.kv_heads, cfg.groups, cfg.block_q, cfg.block_kv)
-    keep = keep_mask(tile_rng, cfg.dropout_rate, shape)
+    return keep_mask(tile_rng, cfg.dropout_rate, shape)
+
+
+def _part_keep(cfg: TileConfig, keep: Array | None, part: _Part) -> Array | None:
+    """`part`'s slice of a tile's keep bits, [R, G * (q1 - q0), k1 - k0] (None passes through)."""
+    if keep is None:
+        return None
     return _rows(cfg, keep[..., part.q0:part.q1, part.k0:part.k1])
 
 
@@ -318,7 +326,7 @@ def single_tile(cfg, q, k, v, slopes, blocks, rng):
         p = jnp.where(mask, p, 0.0)  # rows that see nothing: exp(0) == 1 everywhere
     total = p.sum(-1, keepdims=True)
     p = p / jnp.where(total > 0, total, 1.0)
-    keep = _keep_mask(cfg, rng, 0, 0, full) if rng is not None else None
+    keep = _part_keep(cfg, _tile_keep(cfg, rng, 0, 0), full)
     pv = _dropped(cfg, p, keep).astype(v.dtype)
     return jnp.einsum("rqs,rsh->rqh", pv, v[0], preferred_element_type=jnp.float32)[None]
 
@@ -383,30 +391,36 @@ class _TileForward:
 
     def step(self, i, j, kind, carry):
         """The online-softmax update of (max, sum, acc) with key tile j of class `kind`."""
-        cfg = self.cfg
+        cfg, keep = self.cfg, _tile_keep(self.cfg, self.rng, i, j)
         if kind != CORNER:
-            return self._update(i, j, _full(cfg), kind == PARTIAL, carry)
-        halves = [self._update(i, j, part, True, tuple(_part_rows(cfg, c, part) for c in carry))
+            return self._update(i, j, _full(cfg), kind == PARTIAL, keep, carry)
+        halves = [self._update(i, j, part, True, keep,
+                               tuple(_part_rows(cfg, c, part) for c in carry))
                   for part in _corner_parts(cfg)]
         return tuple(_join_rows(cfg, top, bottom) for top, bottom in zip(*halves, strict=True))
 
-    def _update(self, i, j, part, masked, carry):
-        """One online-softmax update of `part`'s query rows with its keys of tile j."""
+    def _update(self, i, j, part, masked, keep, carry):
+        """One online-softmax update of `part`'s query rows with its keys of tile j.
+
+        `keep` holds the whole tile's dropout bits (or None); the part slices its own.
+        """
         m, total, acc = carry
         cfg, v_j = self.cfg, self.v[j][:, part.k0:part.k1]
         q_i, k_t = _part_rows(cfg, self.q_i, part), self.k_t[j][..., part.k0:part.k1]
         s = _tile_scores(cfg, q_i, k_t, self.slopes, self.blocks, i, j, part)
-        mask = _rows(cfg, _tile_mask(cfg, self.blocks, i, j, part)) if masked else None
-        if mask is not None:
-            s = jnp.where(mask, s, NEG_INF)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        if mask is not None:
-            # A row masked so far has m_new == NEG_INF and exp(0) == 1: zero it.
-            p = jnp.where(mask, p, 0.0)
+        if masked:
+            # The mask enters the max and the exponential instead of rewriting
+            # s, so no masked copy of the tile is written between them. Hidden
+            # entries (and rows that see nothing yet, m_new == NEG_INF) may
+            # overflow exp to inf; the select discards them.
+            mask = _rows(cfg, _tile_mask(cfg, self.blocks, i, j, part))
+            m_new = jnp.maximum(m, jnp.where(mask, s, NEG_INF).max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        else:
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        keep = _keep_mask(cfg, self.rng, i, j, part) if self.rng is not None else None
-        pv = _dropped(cfg, p, keep).astype(v_j.dtype)
+        pv = _dropped(cfg, p, _part_keep(cfg, keep, part)).astype(v_j.dtype)
         pv = jnp.einsum("rqs,rsh->rqh", pv, v_j, preferred_element_type=jnp.float32)
         return m_new, total * corr + p.sum(-1), acc * corr[..., None] + pv
 
@@ -473,19 +487,22 @@ class _TileGrad:
     def step(self, i, j, kind, carry):
         """Adds tile (i, j)'s contributions (of class `kind`) to (dq, dk_j^T, dv_j^T, dslopes)."""
         dq, dk_t, dv_t, dsl = carry
-        cfg = self.cfg
+        cfg, keep = self.cfg, _tile_keep(self.cfg, self.rng, i, j)
         if kind != CORNER:
-            g = self._grads(i, j, _full(cfg), kind == PARTIAL)
+            g = self._grads(i, j, _full(cfg), kind == PARTIAL, keep)
             return dq.at[i].add(g.dq), dk_t + g.dk_t, dv_t + g.dv_t, dsl + g.dsl
         top, bottom = _corner_parts(cfg)
-        a, b = self._grads(i, j, top, True), self._grads(i, j, bottom, True)
+        a, b = self._grads(i, j, top, True, keep), self._grads(i, j, bottom, True, keep)
         # The top part saw only the first half of the keys.
         dk_t = (dk_t + b.dk_t).at[..., :top.k1].add(a.dk_t)
         dv_t = (dv_t + b.dv_t).at[..., :top.k1].add(a.dv_t)
         return dq.at[i].add(_join_rows(cfg, a.dq, b.dq)), dk_t, dv_t, dsl + a.dsl + b.dsl
 
-    def _grads(self, i, j, part, masked) -> _Grads:
-        """The gradients of `part` of tile (i, j): dq of its rows, dk^T and dv^T of its keys."""
+    def _grads(self, i, j, part, masked, keep) -> _Grads:
+        """The gradients of `part` of tile (i, j): dq of its rows, dk^T and dv^T of its keys.
+
+        `keep` holds the whole tile's dropout bits (or None); the part slices its own.
+        """
         cfg, qs, f32 = self.cfg, self.queries, jnp.float32
         k0, k1 = part.k0, part.k1
         q, q_t = _part_rows(cfg, qs.q[i], part), _part_rows(cfg, qs.q_t[i], part, axis=-1)
@@ -495,7 +512,7 @@ class _TileGrad:
         p = jnp.exp(s - lse[..., None])
         if masked:
             p = jnp.where(_rows(cfg, _tile_mask(cfg, self.blocks, i, j, part)), p, 0.0)
-        keep = _keep_mask(cfg, self.rng, i, j, part) if self.rng is not None else None
+        keep = _part_keep(cfg, keep, part)
         pd = _dropped(cfg, p, keep).astype(do_t.dtype)
         dv_t = jnp.einsum("rhq,rqs->rhs", do_t, pd, preferred_element_type=f32)
         dp = jnp.einsum("rqh,rhs->rqs", do, self.v_t[..., k0:k1], preferred_element_type=f32)
