@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -213,6 +214,11 @@ class Checkpointer:
                 f"{self.directory / str(step)} was not committed (see the log above)"))
 
     def _save_error(self, step: int | None, err: BaseException) -> CheckpointSaveError:
+        # A failed async save leaves orbax's pending write coroutine unawaited;
+        # Python warns about it when the coroutine is collected (at exit, after
+        # the error has been reported), a warning about orbax's internals that
+        # no caller can act on.
+        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
         with contextlib.suppress(Exception):  # the list is only for the message
             self.manager.reload()
         kept = [s for s in self._listed_steps() if s != step]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 
 from absl import flags
@@ -59,9 +58,6 @@ def run_command(prog: str, doc: str, define: Callable[[flags.FlagValues], None],
         if fv is not None:
             run(fv)
     except (flags.Error, OSError, ValueError) as err:
-        # A failed async checkpoint save can leave orbax's write coroutine
-        # unawaited; its RuntimeWarning at exit would follow the one error line.
-        warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
     return 0
