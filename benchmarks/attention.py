@@ -15,6 +15,10 @@ and with --rounds R the whole sweep runs R times and each cell keeps its best:
 other processes on the machine only ever add time, and the peak it is divided
 by is a best-of too.
 
+The causal speed-up (blockwise no-mask time / causal time) comes from a
+separate process per N that compiles both and times them by turns, so load
+from elsewhere on the machine falls on both sides of the ratio.
+
 "% of peak" is useful FLOPs / time / the fp32 matmul peak
 (benchmarks/matmul_peak.py: every worker samples a 2048^3 matmul before and
 after its timing runs, and the run divides by its best sample). Useful FLOPs
@@ -45,6 +49,7 @@ LOCAL_WINDOW = 512
 GIB, MIB = 2**30, 2**20
 IMPLS = ("reference", "reference_causal", "blockwise", "blockwise_causal", "local", "linear")
 CAUSAL = {"reference_causal", "blockwise_causal"}
+PAIR = ("blockwise", "blockwise_causal")  # timed by turns in one process (pair_worker)
 
 
 def _attention_fn(impl: str, n: int):
@@ -82,33 +87,70 @@ def useful_flops(impl: str, n: int) -> float:
     return 14 * n * n * HEAD_DIM * HEADS * (0.5 if impl in CAUSAL else 1.0)
 
 
-def worker(impl: str, n: int) -> dict:
-    """Runs in a fresh process: compiles, times and measures one (impl, N)."""
+def _inputs(n: int):
     import jax
     import jax.numpy as jnp
-    import matmul_peak
 
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(key, (1, n, HEADS, HEAD_DIM), jnp.float32) for key in keys)
-    jax.block_until_ready((q, k, v))
-    if impl == "baseline":
-        return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    qkv = tuple(jax.random.normal(key, (1, n, HEADS, HEAD_DIM), jnp.float32) for key in keys)
+    return jax.block_until_ready(qkv)
+
+
+def _compiled(impl: str, n: int, qkv):
+    """The AOT-compiled gradient of sum(attention(q, k, v)) w.r.t. q, k and v."""
+    import jax
+    import jax.numpy as jnp
+
     fn = _attention_fn(impl, n)
     step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
-    compiled = step.lower(q, k, v).compile()
+    return step.lower(*qkv).compile()
+
+
+def _timed(compiled, qkv) -> float:
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*qkv))
+    return time.perf_counter() - start
+
+
+def worker(impl: str, n: int) -> dict:
+    """Runs in a fresh process: compiles, times and measures one (impl, N)."""
+    import matmul_peak
+
+    qkv = _inputs(n)
+    if impl == "baseline":
+        return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    compiled = _compiled(impl, n, qkv)
     temp = compiled.memory_analysis().temp_size_in_bytes
     peaks = matmul_peak.sample()
     if n <= 8192:  # at larger N the AOT-compiled first call is representative
-        _warm_up(compiled, (q, k, v))
-    times = []
-    for _ in range(_repeats(n)):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v))
-        times.append(time.perf_counter() - start)
+        _warm_up(compiled, qkv)
+    times = [_timed(compiled, qkv) for _ in range(_repeats(n))]
     peaks += matmul_peak.sample()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"time": min(times), "median": sorted(times)[len(times) // 2], "rss": rss,
             "temp": temp, "peaks": peaks}
+
+
+def pair_worker(n: int) -> dict:
+    """Blockwise without and with the causal mask in one process, run by turns.
+
+    The causal speed-up is a ratio of two times; timed in separate processes
+    minutes apart, other load on the machine lands on one of them and not the
+    other. Here both are compiled side by side and their runs alternate, so a
+    busy spell slows both (each keeps its best run).
+    """
+    qkv = _inputs(n)
+    compiled = {impl: _compiled(impl, n, qkv) for impl in PAIR}
+    for c in compiled.values():
+        if n <= 8192:
+            _warm_up(c, qkv)
+    best = {impl: float("inf") for impl in PAIR}
+    for _ in range(_repeats(n)):
+        for impl, c in compiled.items():
+            best[impl] = min(best[impl], _timed(c, qkv))
+    return best
 
 
 def _warm_up(compiled, args, seconds: float = 0.3) -> None:
@@ -118,11 +160,9 @@ def _warm_up(compiled, args, seconds: float = 0.3) -> None:
     sleep; a short warm-up keeps them off the cores while the first timed runs
     of a millisecond-scale problem run.
     """
-    import jax
-
     start = time.perf_counter()
     while True:
-        jax.block_until_ready(compiled(*args))
+        _timed(compiled, args)
         if time.perf_counter() - start >= seconds:
             return
 
@@ -167,6 +207,8 @@ def _better(old: dict | None, new: dict) -> dict:
         return new
     if "error" in new:
         return old
+    if "time" not in new:  # a pair: each impl keeps its best time
+        return {impl: min(old[impl], new[impl]) for impl in PAIR}
     best = dict(min(old, new, key=lambda r: r["time"]))
     for field in ("mem", "rss", "temp"):
         best[field] = max(old[field], new[field])
@@ -193,6 +235,8 @@ def _sweep(ns: list[int], peak, baseline_root: str | None) -> dict:
                     peak.add(res.pop("peaks"))
                 results[name, n] = res
                 print(f"  N={n} {name}: {res}", file=sys.stderr, flush=True)
+        results["pair", n] = _run_worker("pair", n)
+        print(f"  N={n} pair: {results['pair', n]}", file=sys.stderr, flush=True)
     return results
 
 
@@ -224,6 +268,12 @@ def _ratio(res: dict, ref: dict, field: str) -> str:
     return f"{res[field] / ref[field]:.2f}"
 
 
+def _speed_up(pair: dict) -> str:
+    if "error" in pair:
+        return "-"
+    return f"{pair['blockwise'] / pair['blockwise_causal']:.2f}x"
+
+
 def _share(results: dict, impl: str, n: int, peak) -> str:
     res = results[impl, n]
     if "error" in res:
@@ -234,7 +284,8 @@ def _share(results: dict, impl: str, n: int, peak) -> str:
 def table(results: dict, ns: list[int], peak) -> str:
     """Markdown table: times (s), ratios and shares of the peak."""
     head = ["N"] + [f"{i} (s)" for i in IMPLS]
-    head += ["blockwise / reference", "causal: blockwise / reference", "blockwise: causal speed-up",
+    head += ["blockwise / reference", "causal: blockwise / reference",
+             "blockwise: causal speed-up (by turns, one process)",
              "blockwise % of peak", "blockwise causal % of peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in ns:
@@ -242,7 +293,7 @@ def table(results: dict, ns: list[int], peak) -> str:
         row = [str(n)] + [_cell_time(r[i]) for i in IMPLS]
         row += [_ratio(r["blockwise"], r["reference"], "time"),
                 _ratio(r["blockwise_causal"], r["reference_causal"], "time"),
-                _ratio(r["blockwise"], r["blockwise_causal"], "time"),
+                _speed_up(results["pair", n]),
                 _share(results, "blockwise", n, peak), _share(results, "blockwise_causal", n, peak)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -269,11 +320,12 @@ def main() -> None:
     parser.add_argument("--baseline-root", help="also time blockwise from this package root "
                         "(a directory holding transformer_zoo/, e.g. links into a worktree of "
                         "the previous commit), alternated with ours: a before/after table")
-    parser.add_argument("--worker", choices=("baseline",) + IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("baseline", "pair") + IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.n)))
+        run = pair_worker(args.n) if args.worker == "pair" else worker(args.worker, args.n)
+        print(json.dumps(run))
         return
     import matmul_peak
 
