@@ -43,7 +43,8 @@ import subprocess
 import sys
 import time
 
-HEADS, HEAD_DIM = 8, 64
+from by_turns import HEAD_DIM, HEADS, attention_inputs, best_by_turns, compiled_grad, timed
+
 REFERENCE_LIMIT_GIB = 20.0
 LOCAL_WINDOW = 512
 GIB, MIB = 2**30, 2**20
@@ -87,46 +88,19 @@ def useful_flops(impl: str, n: int) -> float:
     return 14 * n * n * HEAD_DIM * HEADS * (0.5 if impl in CAUSAL else 1.0)
 
 
-def _inputs(n: int):
-    import jax
-    import jax.numpy as jnp
-
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    qkv = tuple(jax.random.normal(key, (1, n, HEADS, HEAD_DIM), jnp.float32) for key in keys)
-    return jax.block_until_ready(qkv)
-
-
-def _compiled(impl: str, n: int, qkv):
-    """The AOT-compiled gradient of sum(attention(q, k, v)) w.r.t. q, k and v."""
-    import jax
-    import jax.numpy as jnp
-
-    fn = _attention_fn(impl, n)
-    step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
-    return step.lower(*qkv).compile()
-
-
-def _timed(compiled, qkv) -> float:
-    import jax
-
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*qkv))
-    return time.perf_counter() - start
-
-
 def worker(impl: str, n: int) -> dict:
     """Runs in a fresh process: compiles, times and measures one (impl, N)."""
     import matmul_peak
 
-    qkv = _inputs(n)
+    qkv = attention_inputs(n)
     if impl == "baseline":
         return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    compiled = _compiled(impl, n, qkv)
+    compiled = compiled_grad(_attention_fn(impl, n), qkv)
     temp = compiled.memory_analysis().temp_size_in_bytes
     peaks = matmul_peak.sample()
     if n <= 8192:  # at larger N the AOT-compiled first call is representative
         _warm_up(compiled, qkv)
-    times = [_timed(compiled, qkv) for _ in range(_repeats(n))]
+    times = [timed(compiled, *qkv) for _ in range(_repeats(n))]
     peaks += matmul_peak.sample()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"time": min(times), "median": sorted(times)[len(times) // 2], "rss": rss,
@@ -141,16 +115,12 @@ def pair_worker(n: int) -> dict:
     other. Here both are compiled side by side and their runs alternate, so a
     busy spell slows both (each keeps its best run).
     """
-    qkv = _inputs(n)
-    compiled = {impl: _compiled(impl, n, qkv) for impl in PAIR}
-    for c in compiled.values():
-        if n <= 8192:
+    qkv = attention_inputs(n)
+    compiled = {impl: compiled_grad(_attention_fn(impl, n), qkv) for impl in PAIR}
+    if n <= 8192:  # as in `worker`
+        for c in compiled.values():
             _warm_up(c, qkv)
-    best = {impl: float("inf") for impl in PAIR}
-    for _ in range(_repeats(n)):
-        for impl, c in compiled.items():
-            best[impl] = min(best[impl], _timed(c, qkv))
-    return best
+    return best_by_turns({impl: (c, qkv) for impl, c in compiled.items()}, _repeats(n))
 
 
 def _warm_up(compiled, args, seconds: float = 0.3) -> None:
@@ -162,7 +132,7 @@ def _warm_up(compiled, args, seconds: float = 0.3) -> None:
     """
     start = time.perf_counter()
     while True:
-        _timed(compiled, args)
+        timed(compiled, *args)
         if time.perf_counter() - start >= seconds:
             return
 
@@ -197,17 +167,20 @@ def measure(ns: list[int], peak, baseline_root: str | None = None, rounds: int =
     results = {}
     for _ in range(rounds):
         for key, res in _sweep(ns, peak, baseline_root).items():
-            results[key] = _better(results.get(key), res)
+            results[key] = _better(key, results.get(key), res)
     return results
 
 
-def _better(old: dict | None, new: dict) -> dict:
-    """The faster of two results of one cell, with the larger of their memory figures."""
+def _better(key: tuple, old: dict | None, new: dict) -> dict:
+    """The faster of two results of one cell, with the larger of their memory figures.
+
+    A ("pair", N) cell keeps each of its two impls' best time.
+    """
     if old is None or "error" in old:
         return new
     if "error" in new:
         return old
-    if "time" not in new:  # a pair: each impl keeps its best time
+    if key[0] == "pair":
         return {impl: min(old[impl], new[impl]) for impl in PAIR}
     best = dict(min(old, new, key=lambda r: r["time"]))
     for field in ("mem", "rss", "temp"):

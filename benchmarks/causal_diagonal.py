@@ -26,9 +26,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-HEADS, HEAD_DIM, TILE = 8, 64, 512
+from by_turns import HEAD_DIM, HEADS, attention_inputs, best_by_turns, compiled_grad, timed
+
+TILE = 512
 YNN_OFF = "--xla_cpu_experimental_ynn_fusion_type="
 VARIANTS = {
     "no mask": (None, TILE),
@@ -60,28 +61,17 @@ def worker(n: int, names: list[str], runs: int) -> dict:
     """Best seconds of every named variant, compiled side by side and timed by turns."""
     import functools
 
-    import jax
-    import jax.numpy as jnp
-
     from transformer_zoo.models.blockwise import blockwise_attention
 
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    qkv = [jax.random.normal(key, (1, n, HEADS, HEAD_DIM), jnp.float32) for key in keys]
-    compiled = {}
+    qkv = attention_inputs(n)
+    calls = {}
     for name in names:
         kind, tile = VARIANTS[name]
         fn = functools.partial(blockwise_attention, mask=_mask(kind, n), block_q=tile,
                                block_kv=tile)
-        grad = jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2))
-        compiled[name] = jax.jit(grad).lower(*qkv).compile()
-        jax.block_until_ready(compiled[name](*qkv))
-    best = dict.fromkeys(names, float("inf"))
-    for _ in range(runs):
-        for name, f in compiled.items():
-            start = time.perf_counter()
-            jax.block_until_ready(f(*qkv))
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+        calls[name] = (compiled_grad(fn, qkv), qkv)
+        timed(calls[name][0], *qkv)  # the first call (untimed: it may allocate)
+    return best_by_turns(calls, runs)
 
 
 def _run(n: int, names, runs: int, xla_flags: str | None = None) -> dict:

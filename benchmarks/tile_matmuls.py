@@ -23,9 +23,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-ROWS, HEAD_DIM = 8, 64
+from by_turns import HEAD_DIM, best_by_turns
+
+ROWS = 8
 SHAPES = ((512, 512), (1024, 512), (512, 256), (256, 512), (256, 256), (128, 128))
 FORMS = {"scores": "rqh,rhs->rqs", "pv": "rqs,rsh->rqh", "transposed": "rhq,rqs->rhs"}
 
@@ -57,13 +58,8 @@ def worker(rounds: int = 4, calls: int = 15) -> dict:
             f = jax.jit(lambda a, b, spec=spec: jnp.einsum(spec, a, b)).lower(a, b).compile()
             jax.block_until_ready(f(a, b))
             compiled[f"{q}x{s} {form}"] = (f, a, b, 2 * ROWS * q * s * HEAD_DIM)
-    best = dict.fromkeys(compiled, float("inf"))
-    for _ in range(rounds):
-        for key, (f, a, b, _) in compiled.items():
-            for _ in range(calls):
-                start = time.perf_counter()
-                jax.block_until_ready(f(a, b))
-                best[key] = min(best[key], time.perf_counter() - start)
+    best = best_by_turns({key: (f, (a, b)) for key, (f, a, b, _) in compiled.items()},
+                         rounds, calls)
     return {key: flops / best[key] / 1e9 for key, (_, _, _, flops) in compiled.items()}
 
 
