@@ -17,7 +17,9 @@ by is a best-of too.
 
 The causal speed-up (blockwise no-mask time / causal time) comes from a
 separate process per N that compiles both and times them by turns, so load
-from elsewhere on the machine falls on both sides of the ratio.
+from elsewhere on the machine falls on both sides of the ratio. Up to
+N = 4096 that process also times the reference (without and with is_causal)
+by turns with them, and the blockwise / reference ratios come from it.
 
 "% of peak" is useful FLOPs / time / the fp32 matmul peak
 (benchmarks/matmul_peak.py: every worker samples a 2048^3 matmul before and
@@ -51,6 +53,8 @@ GIB, MIB = 2**30, 2**20
 IMPLS = ("reference", "reference_causal", "blockwise", "blockwise_causal", "local", "linear")
 CAUSAL = {"reference_causal", "blockwise_causal"}
 PAIR = ("blockwise", "blockwise_causal")  # timed by turns in one process (pair_worker)
+# ... with the reference up to this N (its runs take seconds beyond).
+PAIR_REFERENCE_MAX_N = 4096
 
 
 def _attention_fn(impl: str, n: int):
@@ -107,16 +111,22 @@ def worker(impl: str, n: int) -> dict:
             "temp": temp, "peaks": peaks}
 
 
+def _pair_impls(n: int) -> tuple[str, ...]:
+    """The impls `pair_worker` times by turns at length n."""
+    return PAIR + (("reference", "reference_causal") if n <= PAIR_REFERENCE_MAX_N else ())
+
+
 def pair_worker(n: int) -> dict:
-    """Blockwise without and with the causal mask in one process, run by turns.
+    """Blockwise without and with the causal mask (and the reference) in one process, by turns.
 
     The causal speed-up is a ratio of two times; timed in separate processes
     minutes apart, other load on the machine lands on one of them and not the
-    other. Here both are compiled side by side and their runs alternate, so a
-    busy spell slows both (each keeps its best run).
+    other. Here they are compiled side by side and their runs alternate, so a
+    busy spell slows all of them (each keeps its best run). The same holds
+    for blockwise / reference, where the reference is cheap enough to repeat.
     """
     qkv = attention_inputs(n)
-    compiled = {impl: compiled_grad(_attention_fn(impl, n), qkv) for impl in PAIR}
+    compiled = {impl: compiled_grad(_attention_fn(impl, n), qkv) for impl in _pair_impls(n)}
     if n <= 8192:  # as in `worker`
         for c in compiled.values():
             _warm_up(c, qkv)
@@ -174,14 +184,14 @@ def measure(ns: list[int], peak, baseline_root: str | None = None, rounds: int =
 def _better(key: tuple, old: dict | None, new: dict) -> dict:
     """The faster of two results of one cell, with the larger of their memory figures.
 
-    A ("pair", N) cell keeps each of its two impls' best time.
+    A ("pair", N) cell keeps each of its impls' best time.
     """
     if old is None or "error" in old:
         return new
     if "error" in new:
         return old
     if key[0] == "pair":
-        return {impl: min(old[impl], new[impl]) for impl in PAIR}
+        return {impl: min(old[impl], new[impl]) for impl in old}
     best = dict(min(old, new, key=lambda r: r["time"]))
     for field in ("mem", "rss", "temp"):
         best[field] = max(old[field], new[field])
@@ -247,6 +257,14 @@ def _speed_up(pair: dict) -> str:
     return f"{pair['blockwise'] / pair['blockwise_causal']:.2f}x"
 
 
+def _vs_reference(results: dict, impl: str, ref: str, n: int) -> str:
+    """impl / ref time: by turns in the pair process where it timed both, else across cells."""
+    pair = results["pair", n]
+    if "error" not in pair and ref in pair:
+        return f"{pair[impl] / pair[ref]:.2f}"
+    return _ratio(results[impl, n], results[ref, n], "time")
+
+
 def _share(results: dict, impl: str, n: int, peak) -> str:
     res = results[impl, n]
     if "error" in res:
@@ -257,15 +275,16 @@ def _share(results: dict, impl: str, n: int, peak) -> str:
 def table(results: dict, ns: list[int], peak) -> str:
     """Markdown table: times (s), ratios and shares of the peak."""
     head = ["N"] + [f"{i} (s)" for i in IMPLS]
-    head += ["blockwise / reference", "causal: blockwise / reference",
+    head += [f"blockwise / reference (by turns to N = {PAIR_REFERENCE_MAX_N})",
+             "causal: blockwise / reference (ditto)",
              "blockwise: causal speed-up (by turns, one process)",
              "blockwise % of peak", "blockwise causal % of peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in ns:
         r = {i: results[i, n] for i in IMPLS}
         row = [str(n)] + [_cell_time(r[i]) for i in IMPLS]
-        row += [_ratio(r["blockwise"], r["reference"], "time"),
-                _ratio(r["blockwise_causal"], r["reference_causal"], "time"),
+        row += [_vs_reference(results, "blockwise", "reference", n),
+                _vs_reference(results, "blockwise_causal", "reference_causal", n),
                 _speed_up(results["pair", n]),
                 _share(results, "blockwise", n, peak), _share(results, "blockwise_causal", n, peak)]
         lines.append("| " + " | ".join(row) + " |")

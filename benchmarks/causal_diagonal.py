@@ -12,7 +12,12 @@ so load from elsewhere on the machine falls on all of them:
 * "whole tiles only": a dense mask that shows each query tile exactly the key
   tiles before its own. Its tiles are the causal pass's wholly visible ones
   and it has no diagonal tiles, so causal minus it is what the diagonal costs;
-* causal and no mask at 256 x 256 and 1024 x 1024 tiles.
+* causal and no mask at 256 x 256 and 1024 x 1024 tiles;
+* other ways to split a diagonal tile, patched into the tile loop for the
+  trace: in two parts (the first half of queries x the first half of keys,
+  the second half x all keys), and in four row strips (each quarter of queries
+  x the keys up to its diagonal). The library splits it in three (the first
+  part of the two halved again).
 
 A second process runs no mask (512 tiles) and causal (256 tiles) with XLA:CPU's
 YNNPACK fusion switched off (XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=),
@@ -22,6 +27,7 @@ where small products use every core (benchmarks/tile_matmuls.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -31,14 +37,17 @@ from by_turns import HEAD_DIM, HEADS, attention_inputs, best_by_turns, compiled_
 
 TILE = 512
 YNN_OFF = "--xla_cpu_experimental_ynn_fusion_type="
+# name: (mask, tile, diagonal split: None for the library's)
 VARIANTS = {
-    "no mask": (None, TILE),
-    "causal": ("causal", TILE),
-    "whole tiles only (no diagonal)": ("below", TILE),
-    "no mask, 256 tiles": (None, 256),
-    "causal, 256 tiles": ("causal", 256),
-    "no mask, 1024 tiles": (None, 1024),
-    "causal, 1024 tiles": ("causal", 1024),
+    "no mask": (None, TILE, None),
+    "causal": ("causal", TILE, None),
+    "whole tiles only (no diagonal)": ("below", TILE, None),
+    "causal, diagonal in 2 parts": ("causal", TILE, "halves"),
+    "causal, diagonal in 4 row strips": ("causal", TILE, "strips"),
+    "no mask, 256 tiles": (None, 256, None),
+    "causal, 256 tiles": ("causal", 256, None),
+    "no mask, 1024 tiles": (None, 1024, None),
+    "causal, 1024 tiles": ("causal", 1024, None),
 }
 YNN_OFF_VARIANTS = ("no mask", "causal, 256 tiles")
 
@@ -57,6 +66,29 @@ def _mask(kind: str | None, n: int):
     return None
 
 
+@contextlib.contextmanager
+def _diagonal_split(split: str | None):
+    """Splits diagonal (NESTED) tiles another way while a variant is traced."""
+    from transformer_zoo.models import blockwise_tiles as bt
+
+    library = bt._corner_parts
+
+    def parts(cfg, kind):
+        if kind != bt.NESTED:
+            return library(cfg, kind)
+        if split == "halves":
+            return library(cfg, bt.CORNER)
+        q, k = cfg.block_q // 4, cfg.block_kv // 4
+        return tuple(bt._Part(r * q, (r + 1) * q, 0, (r + 1) * k) for r in range(4))
+
+    if split is not None:
+        bt._corner_parts = parts
+    try:
+        yield
+    finally:
+        bt._corner_parts = library
+
+
 def worker(n: int, names: list[str], runs: int) -> dict:
     """Best seconds of every named variant, compiled side by side and timed by turns."""
     import functools
@@ -66,10 +98,11 @@ def worker(n: int, names: list[str], runs: int) -> dict:
     qkv = attention_inputs(n)
     calls = {}
     for name in names:
-        kind, tile = VARIANTS[name]
+        kind, tile, split = VARIANTS[name]
         fn = functools.partial(blockwise_attention, mask=_mask(kind, n), block_q=tile,
                                block_kv=tile)
-        calls[name] = (compiled_grad(fn, qkv), qkv)
+        with _diagonal_split(split):
+            calls[name] = (compiled_grad(fn, qkv), qkv)
         timed(calls[name][0], *qkv)  # the first call (untimed: it may allocate)
     return best_by_turns(calls, runs)
 

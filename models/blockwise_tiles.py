@@ -12,9 +12,11 @@ scores and dP, instead of XLA transposing a tile per step. Tiles are classified 
 per call (hidden / cut by the mask / wholly visible / cut with a hidden
 corner); hidden tiles are skipped and only cut tiles evaluate and apply the
 mask. A cut tile whose first half of queries sees none of its second half of
-keys (a causal mask's diagonal tiles) is computed as two parts, 3/4 of the
-tile: the first half of its queries against the first half of its keys, and
-the second half of its queries against all of them.
+keys is computed as two parts, 3/4 of the tile: the first half of its queries
+against the first half of its keys, and the second half of its queries against
+all of them. When its first quarter of queries also sees none of its second
+quarter of keys (a causal mask's diagonal tiles), the first part splits the
+same way again: three parts, 11/16 of the tile.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from transformer_zoo.models.masks import NEG_INF, AttentionMask
 Array = Any
 
 # Tile classes: what the mask leaves visible of a tile. CORNER is a PARTIAL
-# tile whose first half of queries sees none of its second half of keys.
-HIDDEN, PARTIAL, VISIBLE, CORNER = 0, 1, 2, 3
+# tile whose first half of queries sees none of its second half of keys;
+# NESTED a CORNER tile whose first quarter of queries also sees none of its
+# second quarter of keys.
+HIDDEN, PARTIAL, VISIBLE, CORNER, NESTED = 0, 1, 2, 3, 4
 
 
 class _Part(NamedTuple):
@@ -82,15 +86,29 @@ def _full(cfg: TileConfig) -> _Part:
     return _Part(0, cfg.block_q, 0, cfg.block_kv)
 
 
-def _splits_corners(cfg: TileConfig) -> bool:
-    """Whether cut tiles with a hidden corner can be computed in two parts (even tiles)."""
-    return cfg.has_mask and cfg.block_q % 2 == 0 and cfg.block_kv % 2 == 0
+def _corner_depth(cfg: TileConfig) -> int:
+    """How many times cut tiles with hidden corners can be halved: 0, 1 (CORNER) or 2 (NESTED)."""
+    if not cfg.has_mask:
+        return 0
+    if cfg.block_q % 4 == 0 and cfg.block_kv % 4 == 0:
+        return 2
+    return 1 if cfg.block_q % 2 == 0 and cfg.block_kv % 2 == 0 else 0
 
 
-def _corner_parts(cfg: TileConfig) -> tuple[_Part, _Part]:
-    """A CORNER tile's two parts: first half of queries x first half of keys, rest x all."""
-    hq, hk = cfg.block_q // 2, cfg.block_kv // 2
-    return _Part(0, hq, 0, hk), _Part(hq, cfg.block_q, 0, cfg.block_kv)
+def _corner_parts(cfg: TileConfig, kind: int) -> tuple[_Part, ...]:
+    """The parts of a CORNER or NESTED tile, in order of their disjoint query rows.
+
+    CORNER: the first half of queries x the first half of keys, the rest x all
+    keys. NESTED splits that first part the same way again, skipping 5/16 of
+    the tile instead of 1/4. The last part, half the rows against all the keys,
+    is large enough to keep the matmul kernels at full speed; splitting it too
+    would make every product small (benchmarks/README.md).
+    """
+    bq, bk = cfg.block_q, cfg.block_kv
+    last = _Part(bq // 2, bq, 0, bk)
+    if kind == CORNER:
+        return _Part(0, bq // 2, 0, bk // 2), last
+    return _Part(0, bq // 4, 0, bk // 4), _Part(bq // 4, bq // 2, 0, bk // 2), last
 
 
 def _part_rows(cfg: TileConfig, x: Array, part: _Part, axis: int = 1) -> Array:
@@ -104,11 +122,11 @@ def _part_rows(cfg: TileConfig, x: Array, part: _Part, axis: int = 1) -> Array:
     return x.reshape(shape[:axis] + (-1,) + shape[axis + 1:])
 
 
-def _join_rows(cfg: TileConfig, top: Array, bottom: Array, axis: int = 1) -> Array:
-    """Inverse of `_part_rows` for the two row halves of a CORNER tile."""
-    G, shape = cfg.groups, top.shape
-    halves = [x.reshape(shape[:axis] + (G, -1) + shape[axis + 1:]) for x in (top, bottom)]
-    return jnp.concatenate(halves, axis=axis + 1).reshape(shape[:axis] + (-1,) + shape[axis + 1:])
+def _join_rows(cfg: TileConfig, parts: list[Array], axis: int = 1) -> Array:
+    """Inverse of `_part_rows` for the consecutive row ranges of a tile's parts."""
+    G, shape = cfg.groups, parts[0].shape
+    rows = [x.reshape(shape[:axis] + (G, -1) + shape[axis + 1:]) for x in parts]
+    return jnp.concatenate(rows, axis=axis + 1).reshape(shape[:axis] + (-1,) + shape[axis + 1:])
 
 
 def _rows(cfg: TileConfig, x: Array) -> Array:
@@ -192,10 +210,11 @@ def tile_classes(cfg: TileConfig, blocks: MaskBlocks) -> Array | None:
 
     Decided from each tile's least and greatest position and segment id (and
     the dense mask's tile, if any), so it costs O(nq * nk) and no tile's mask
-    is evaluated. The class is conservative: a tile called PARTIAL or CORNER
-    may be wholly visible or hidden (it then evaluates its mask exactly), but
-    HIDDEN, VISIBLE and a CORNER tile's hidden corner are certain. Computed
-    once per call; the backward pass reuses the forward's.
+    is evaluated. The class is conservative: a tile called PARTIAL, CORNER or
+    NESTED may be wholly visible or hidden (it then evaluates its mask
+    exactly), but HIDDEN, VISIBLE and the corners a CORNER or NESTED tile
+    skips are certain. Computed once per call; the backward pass reuses the
+    forward's.
     """
     if not cfg.has_mask:
         return None
@@ -203,18 +222,29 @@ def tile_classes(cfg: TileConfig, blocks: MaskBlocks) -> Array | None:
     kv = _Extent(blocks.kv_pos, blocks.kv_seg, rows=False)
     hidden, visible = _hidden_visible(cfg, q, kv, blocks.dense)
     classes = jnp.where(visible, VISIBLE, jnp.where(hidden, HIDDEN, PARTIAL))
-    if not _splits_corners(cfg):
+    depth = _corner_depth(cfg)
+    if depth == 0:
         return classes
-    # The corner of the first half of queries and the second half of keys.
-    hq, hk = cfg.block_q // 2, cfg.block_kv // 2
-    q = _Extent(blocks.q_pos[..., :hq], blocks.q_seg[..., :hq], rows=True)
-    kv = _Extent(blocks.kv_pos[..., hk:], blocks.kv_seg[..., hk:], rows=False)
+    bq, bk = cfg.block_q, cfg.block_kv
+    # The first half of queries against the second half of keys.
+    corner = (classes == PARTIAL) & _corner_hidden(cfg, blocks, bq // 2, bk // 2, bk)
+    classes = jnp.where(corner, CORNER, classes)
+    if depth == 1:
+        return classes
+    # And the first quarter of queries against the second quarter of keys.
+    nested = corner & _corner_hidden(cfg, blocks, bq // 4, bk // 4, bk // 2)
+    return jnp.where(nested, NESTED, classes)
+
+
+def _corner_hidden(cfg: TileConfig, blocks: MaskBlocks, q1: int, k0: int, k1: int) -> Array:
+    """[nq, nk] bool: every tile's queries [0, q1) certainly see none of its keys [k0, k1)."""
+    q = _Extent(blocks.q_pos[..., :q1], blocks.q_seg[..., :q1], rows=True)
+    kv = _Extent(blocks.kv_pos[..., k0:k1], blocks.kv_seg[..., k0:k1], rows=False)
     dense = blocks.dense
     if dense is not None:
-        dense = dense[..., :hq, :] if dense.shape[4] > 1 else dense
-        dense = dense[..., hk:] if dense.shape[5] > 1 else dense
-    corner_hidden, _ = _hidden_visible(cfg, q, kv, dense)
-    return jnp.where((classes == PARTIAL) & corner_hidden, CORNER, classes)
+        dense = dense[..., :q1, :] if dense.shape[4] > 1 else dense
+        dense = dense[..., k0:k1] if dense.shape[5] > 1 else dense
+    return _hidden_visible(cfg, q, kv, dense)[0]
 
 
 def _hidden_visible(cfg: TileConfig, q: _Extent, kv: _Extent, dense: Array | None):
@@ -265,8 +295,9 @@ class _Order(NamedTuple):
     """Per outer tile, the inner tiles to visit, grouped by class.
 
     order: [n_outer, n_inner] inner indices, VISIBLE first, then PARTIAL, then
-    CORNER, then HIDDEN (never visited); counts: the classes visited, each with
-    its [n_outer] count (CORNER only where tiles can be split).
+    CORNER, then NESTED, then HIDDEN (never visited); counts: the classes
+    visited, each with its [n_outer] count (CORNER and NESTED only where tiles
+    can be split so).
     """
 
     order: Array
@@ -274,7 +305,7 @@ class _Order(NamedTuple):
 
 
 # The order in which an outer tile visits its inner tiles' classes.
-_VISIT = (VISIBLE, PARTIAL, CORNER, HIDDEN)
+_VISIT = (VISIBLE, PARTIAL, CORNER, NESTED, HIDDEN)
 
 
 def _tile_order(cfg: TileConfig, classes: Array | None, inner_axis: int) -> _Order | None:
@@ -285,7 +316,7 @@ def _tile_order(cfg: TileConfig, classes: Array | None, inner_axis: int) -> _Ord
         rank = jnp.where(classes == kind, r, rank)
     rank = rank if inner_axis == 1 else rank.T
     order = jnp.argsort(rank, axis=1, stable=True).astype(jnp.int32)
-    kinds = _VISIT[:3] if _splits_corners(cfg) else _VISIT[:2]
+    kinds = _VISIT[:2 + _corner_depth(cfg)]
     return _Order(order, tuple((kind, (rank == _VISIT.index(kind)).sum(1)) for kind in kinds))
 
 
@@ -294,7 +325,8 @@ def _over_tiles(order: _Order | None, outer, n_inner: int, step, carry):
 
     One loop per class, with no conditional in any: the wholly visible tiles
     unmasked, then the tiles the mask cuts through, masked, then the cut tiles
-    with a hidden corner, in two parts. Hidden tiles (the future under a causal
+    with a hidden corner, in two parts, then those with nested hidden corners,
+    in three. Hidden tiles (the future under a causal
     mask, other windows or segments) are never visited.
     """
     if order is None:
@@ -392,12 +424,12 @@ class _TileForward:
     def step(self, i, j, kind, carry):
         """The online-softmax update of (max, sum, acc) with key tile j of class `kind`."""
         cfg, keep = self.cfg, _tile_keep(self.cfg, self.rng, i, j)
-        if kind != CORNER:
+        if kind not in (CORNER, NESTED):
             return self._update(i, j, _full(cfg), kind == PARTIAL, keep, carry)
-        halves = [self._update(i, j, part, True, keep,
-                               tuple(_part_rows(cfg, c, part) for c in carry))
-                  for part in _corner_parts(cfg)]
-        return tuple(_join_rows(cfg, top, bottom) for top, bottom in zip(*halves, strict=True))
+        parts = [self._update(i, j, part, True, keep,
+                              tuple(_part_rows(cfg, c, part) for c in carry))
+                 for part in _corner_parts(cfg, kind)]
+        return tuple(_join_rows(cfg, list(rows)) for rows in zip(*parts, strict=True))
 
     def _update(self, i, j, part, masked, keep, carry):
         """One online-softmax update of `part`'s query rows with its keys of tile j.
@@ -488,15 +520,18 @@ class _TileGrad:
         """Adds tile (i, j)'s contributions (of class `kind`) to (dq, dk_j^T, dv_j^T, dslopes)."""
         dq, dk_t, dv_t, dsl = carry
         cfg, keep = self.cfg, _tile_keep(self.cfg, self.rng, i, j)
-        if kind != CORNER:
+        if kind not in (CORNER, NESTED):
             g = self._grads(i, j, _full(cfg), kind == PARTIAL, keep)
             return dq.at[i].add(g.dq), dk_t + g.dk_t, dv_t + g.dv_t, dsl + g.dsl
-        top, bottom = _corner_parts(cfg)
-        a, b = self._grads(i, j, top, True, keep), self._grads(i, j, bottom, True, keep)
-        # The top part saw only the first half of the keys.
-        dk_t = (dk_t + b.dk_t).at[..., :top.k1].add(a.dk_t)
-        dv_t = (dv_t + b.dv_t).at[..., :top.k1].add(a.dv_t)
-        return dq.at[i].add(_join_rows(cfg, a.dq, b.dq)), dk_t, dv_t, dsl + a.dsl + b.dsl
+        dqs = []
+        for part in _corner_parts(cfg, kind):
+            g = self._grads(i, j, part, True, keep)
+            # A part sees the keys [0, k1) of the tile.
+            dk_t = dk_t + g.dk_t if part.k1 == cfg.block_kv else dk_t.at[..., :part.k1].add(g.dk_t)
+            dv_t = dv_t + g.dv_t if part.k1 == cfg.block_kv else dv_t.at[..., :part.k1].add(g.dv_t)
+            dqs.append(g.dq)
+            dsl = dsl + g.dsl
+        return dq.at[i].add(_join_rows(cfg, dqs)), dk_t, dv_t, dsl
 
     def _grads(self, i, j, part, masked, keep) -> _Grads:
         """The gradients of `part` of tile (i, j): dq of its rows, dk^T and dv^T of its keys.

@@ -206,27 +206,33 @@ def test_tile_classes_never_skip_a_visible_key_nor_unmask_a_hidden_one(kind, T, 
     assert classes.shape == (nq, nk)
     exact = np.zeros((nq, nk), int)
     corner_hidden = np.zeros((nq, nk), bool)  # first half of queries x second half of keys
+    nested_hidden = np.zeros((nq, nk), bool)  # first quarter of queries x second quarter
     for i in range(nq):
         for j in range(nk):
             tile = np.asarray(blockwise_tiles._tile_mask(cfg, blocks, i, j,
                                                          blockwise_tiles._full(cfg)))
             exact[i, j] = 2 if tile.all() else int(tile.any())
             corner_hidden[i, j] = not tile[..., :BQ // 2, BK // 2:].any()
-    # HIDDEN, VISIBLE and a CORNER tile's skipped corner are certain; PARTIAL and
-    # CORNER may stand for more (they mask exactly).
-    corner = classes == blockwise_tiles.CORNER
+            nested_hidden[i, j] = not tile[..., :BQ // 4, BK // 4:BK // 2].any()
+    # HIDDEN, VISIBLE and the corners a CORNER or NESTED tile skips are certain;
+    # PARTIAL, CORNER and NESTED may stand for more (they mask exactly).
+    nested = classes == blockwise_tiles.NESTED
+    split = (classes == blockwise_tiles.CORNER) | nested
     assert np.all(exact[classes == blockwise_tiles.HIDDEN] == blockwise_tiles.HIDDEN)
     assert np.all(exact[classes == blockwise_tiles.VISIBLE] == blockwise_tiles.VISIBLE)
-    assert np.all(corner_hidden[corner])
+    assert np.all(corner_hidden[split])
+    assert np.all(nested_hidden[nested])
     if kind == "causal" and T == S:
         # Aligned tiles under a causal mask: exact; a tile is skipped when its
-        # first key comes after its last query, and split when its second half
-        # of keys comes after its first half of queries.
-        np.testing.assert_array_equal(np.where(corner, blockwise_tiles.PARTIAL, classes), exact)
-        np.testing.assert_array_equal(corner, (exact == blockwise_tiles.PARTIAL) & corner_hidden)
+        # first key comes after its last query, split when its second half of
+        # keys comes after its first half of queries, and split again when its
+        # second quarter of keys comes after its first quarter of queries.
+        np.testing.assert_array_equal(np.where(split, blockwise_tiles.PARTIAL, classes), exact)
+        np.testing.assert_array_equal(split, (exact == blockwise_tiles.PARTIAL) & corner_hidden)
+        np.testing.assert_array_equal(nested, split & nested_hidden)
         i, j = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
         np.testing.assert_array_equal(classes == blockwise_tiles.HIDDEN, j * BK > (i + 1) * BQ - 1)
-        assert corner.any()
+        assert nested.any()
     else:
         # Not uselessly conservative: some tile is skipped or left unmasked.
         partial = blockwise_tiles.PARTIAL
