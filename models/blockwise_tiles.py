@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +40,7 @@ Array = Any
 # NESTED a CORNER tile whose first quarter of queries also sees none of its
 # second quarter of keys.
 HIDDEN, PARTIAL, VISIBLE, CORNER, NESTED = 0, 1, 2, 3, 4
+_SPLIT = (CORNER, NESTED)  # the classes computed in parts (`_corner_parts`)
 
 
 class _Part(NamedTuple):
@@ -122,7 +124,7 @@ def _part_rows(cfg: TileConfig, x: Array, part: _Part, axis: int = 1) -> Array:
     return x.reshape(shape[:axis] + (-1,) + shape[axis + 1:])
 
 
-def _join_rows(cfg: TileConfig, parts: list[Array], axis: int = 1) -> Array:
+def _join_rows(cfg: TileConfig, parts: Sequence[Array], axis: int = 1) -> Array:
     """Inverse of `_part_rows` for the consecutive row ranges of a tile's parts."""
     G, shape = cfg.groups, parts[0].shape
     rows = [x.reshape(shape[:axis] + (G, -1) + shape[axis + 1:]) for x in parts]
@@ -326,8 +328,8 @@ def _over_tiles(order: _Order | None, outer, n_inner: int, step, carry):
     One loop per class, with no conditional in any: the wholly visible tiles
     unmasked, then the tiles the mask cuts through, masked, then the cut tiles
     with a hidden corner, in two parts, then those with nested hidden corners,
-    in three. Hidden tiles (the future under a causal
-    mask, other windows or segments) are never visited.
+    in three. Hidden tiles (the future under a causal mask, other windows or
+    segments) are never visited.
     """
     if order is None:
         return lax.fori_loop(0, n_inner, lambda t, c: step(t, VISIBLE, c), carry)
@@ -424,12 +426,12 @@ class _TileForward:
     def step(self, i, j, kind, carry):
         """The online-softmax update of (max, sum, acc) with key tile j of class `kind`."""
         cfg, keep = self.cfg, _tile_keep(self.cfg, self.rng, i, j)
-        if kind not in (CORNER, NESTED):
+        if kind not in _SPLIT:
             return self._update(i, j, _full(cfg), kind == PARTIAL, keep, carry)
         parts = [self._update(i, j, part, True, keep,
                               tuple(_part_rows(cfg, c, part) for c in carry))
                  for part in _corner_parts(cfg, kind)]
-        return tuple(_join_rows(cfg, list(rows)) for rows in zip(*parts, strict=True))
+        return tuple(_join_rows(cfg, rows) for rows in zip(*parts, strict=True))
 
     def _update(self, i, j, part, masked, keep, carry):
         """One online-softmax update of `part`'s query rows with its keys of tile j.
@@ -520,15 +522,13 @@ class _TileGrad:
         """Adds tile (i, j)'s contributions (of class `kind`) to (dq, dk_j^T, dv_j^T, dslopes)."""
         dq, dk_t, dv_t, dsl = carry
         cfg, keep = self.cfg, _tile_keep(self.cfg, self.rng, i, j)
-        if kind not in (CORNER, NESTED):
+        if kind not in _SPLIT:
             g = self._grads(i, j, _full(cfg), kind == PARTIAL, keep)
             return dq.at[i].add(g.dq), dk_t + g.dk_t, dv_t + g.dv_t, dsl + g.dsl
         dqs = []
         for part in _corner_parts(cfg, kind):
             g = self._grads(i, j, part, True, keep)
-            # A part sees the keys [0, k1) of the tile.
-            dk_t = dk_t + g.dk_t if part.k1 == cfg.block_kv else dk_t.at[..., :part.k1].add(g.dk_t)
-            dv_t = dv_t + g.dv_t if part.k1 == cfg.block_kv else dv_t.at[..., :part.k1].add(g.dv_t)
+            dk_t, dv_t = _add_keys(cfg, dk_t, g.dk_t, part), _add_keys(cfg, dv_t, g.dv_t, part)
             dqs.append(g.dq)
             dsl = dsl + g.dsl
         return dq.at[i].add(_join_rows(cfg, dqs)), dk_t, dv_t, dsl
@@ -559,6 +559,13 @@ class _TileGrad:
             ds5 = ds.reshape(cfg.batch, cfg.kv_heads, cfg.groups, part.q1 - part.q0, k1 - k0)
             dsl = -jnp.sum(ds5 * _tile_distance(self.blocks, i, j, part), axis=(0, 3, 4))
         return _Grads(dq, dk_t, dv_t, dsl)
+
+
+def _add_keys(cfg: TileConfig, acc: Array, grad: Array, part: _Part) -> Array:
+    """acc [..., bk] plus the gradient of `part`, which saw the tile's keys [0, k1)."""
+    if part.k1 == cfg.block_kv:
+        return acc + grad
+    return acc.at[..., :part.k1].add(grad)
 
 
 class _Grads(NamedTuple):
