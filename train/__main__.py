@@ -50,16 +50,21 @@ class UserError(Exception):
     """An error of the command's input: printed as one line, exit code 1."""
 
 
-def fail(message: str, code: int = 1):
+def fail(message: str, code: int = 1, *, immediately: bool = False):
     """Prints `error: message` on stderr and exits with `code`.
 
     Logging and the reports of exceptions in other threads are switched off
     first: library threads still winding down (orbax's after a failed save, with
     their asyncio loops) would otherwise print their own end after this line.
+    `immediately` skips the interpreter's finalisation (os._exit after flushing).
     """
     logging.disable(logging.CRITICAL)
     threading.excepthook = sys.unraisablehook = lambda _: None
     print(f"error: {message}", file=sys.stderr)
+    if immediately:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -220,8 +225,12 @@ def main(argv):
     except (UserError, OSError) as err:  # OSError: a data file unreadable in preflight
         fail(one_line(err))
     except KeyboardInterrupt:
+        # Immediately: a Ctrl-C that cut a compilation short leaves XLA's threads
+        # running it, and finalising the interpreter under them can crash (SIGSEGV
+        # after this line). What the run holds (the workdir lock, the checkpointer
+        # and its saves) was released while the exception unwound.
         fail("interrupted during set-up, compilation or the final decode; the latest "
-             f"checkpoint in {FLAGS.workdir} is kept", INTERRUPTED)
+             f"checkpoint in {FLAGS.workdir} is kept", INTERRUPTED, immediately=True)
 
 
 if __name__ == "__main__":

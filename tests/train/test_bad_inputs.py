@@ -7,6 +7,7 @@ decode and average commands' `main(argv)` and the Python API run in-process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -140,14 +141,32 @@ def test_train_bad_input(name, train_results, files):
     assert stdout == ""  # nothing started: no run header
 
 
+@contextlib.contextmanager
+def _sigint_not_ignored():
+    """Lets the command started inside receive SIGINT whatever this process inherited.
+
+    A shell without job control starts a background job (`pytest ... &`, a CI
+    runner's) with SIGINT ignored, and an ignored signal stays ignored across fork
+    and exec: Python then installs no KeyboardInterrupt handler and the command
+    would never see the Ctrl-C this test sends. A handled signal is reset to its
+    default at exec instead, so the command starts as from an interactive shell.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("phase,message", [
     ("start", "interrupted before the run started; nothing was written"),
     ("set-up", "interrupted during set-up, compilation or the final decode"),
 ])
 def test_train_sigint_is_one_line(phase, message, tmp_path):
     workdir = tmp_path / "run"
-    p = subprocess.Popen(_command(TINY, (), workdir), cwd=ROOT, env=_env(), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with _sigint_not_ignored():
+        p = subprocess.Popen(_command(TINY, (), workdir), cwd=ROOT, env=_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if phase == "start":
         time.sleep(1.0)  # importing jax for the config file: flags are being parsed
     else:
