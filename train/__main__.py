@@ -239,6 +239,6 @@ if __name__ == "__main__":
     try:
         app.run(main, flags_parser=_parse_flags)
     except KeyboardInterrupt:
-        print("error: interrupted before the run started; nothing was written",
-              file=sys.stderr, flush=True)
-        os._exit(INTERRUPTED)  # nothing to clean up yet; no second interrupt while exiting
+        # Nothing to clean up yet; immediately, so no second interrupt while exiting.
+        fail("interrupted before the run started; nothing was written", INTERRUPTED,
+             immediately=True)
