@@ -12,10 +12,13 @@ as a prompt; both families take every search (predict.decode_options). Without
 --search, a sampling option (--temperature > 0, --top_k, --top_p,
 --num_samples) means sampling, a beam option (--beam_size, --alpha, --n_best)
 beam search, --temperature 0 or --beam_size 1 alone greedy; with none of them
-encoder-decoder runs use beam search (beam 4, alpha 0.6) and decoder-only runs
-greedy. An option that the search or the run's family cannot honour (say
---temperature with --search beam, --n_best above --beam_size, --seed without
-sampling, --max_new_tokens on an encoder-decoder run) is an error.
+encoder-decoder runs decode as their recipe was scored (its config's
+decode.beam_size and decode.alpha; greedy if that beam_size is 1) and
+decoder-only runs greedily. Beam search takes the --beam_size and --alpha not
+given from the run's config too (beam 4, alpha 0.6 in the paper's recipes).
+An option that the search or the run's family cannot honour (say --temperature
+with --search beam, --n_best above --beam_size, --seed without sampling,
+--max_new_tokens on an encoder-decoder run) is an error.
 
 Output: one line per input. With --n_best K > 1, K lines per input (fewer if
 the search finished fewer), best first: INDEX TAB RANK TAB SCORE TAB TEXT, where
@@ -60,8 +63,10 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_enum("search", None, [s.value for s in Search], "Search (default: from the "
                       "options given, else beam for encoder-decoder, greedy for decoder-only).",
                       **kw)
-    flags.DEFINE_integer("beam_size", None, "Beam search: beams per input (default 4).", **kw)
-    flags.DEFINE_float("alpha", None, "Beam search: length penalty exponent (default 0.6).", **kw)
+    flags.DEFINE_integer("beam_size", None, "Beam search: beams per input (default: the "
+                         "run's decode.beam_size).", **kw)
+    flags.DEFINE_float("alpha", None, "Beam search: length penalty exponent (default: the "
+                       "run's decode.alpha).", **kw)
     flags.DEFINE_integer("n_best", None, "Beam search: write the K best beams per input "
                          "(default 1, at most --beam_size).", **kw)
     flags.DEFINE_float("temperature", None, "Sampling temperature (default 1; 0 = greedy).", **kw)
@@ -114,7 +119,8 @@ def run(fv: flags.FlagValues) -> list[str]:
         raise ValueError(f"--reference has {len(references)} lines, --input has {len(lines)}")
     # The XLA:CPU layer where jax computes on CPUs (the same values, faster there).
     loaded = load_run(fv.workdir, fv.step, kernels=kernels_for(jax.devices()))
-    options = decode_options(loaded.family, search=fv.search, **given)
+    options = decode_options(loaded.family, preset=loaded.decode_preset, search=fv.search,
+                             **given)
     found = loaded.hypotheses(lines, options, max_extra=fv.max_extra,
                               max_new_tokens=fv.max_new_tokens, batch_size=fv.batch_size)
     text = format_outputs(found, options)

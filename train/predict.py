@@ -359,7 +359,9 @@ class LoadedRun:
     `generate(prompts)` (decoder-only) or `decode(texts)` (either); texts are
     always a sequence of str (a bare str is a TypeError: pass [text]). All three
     take the same search options (see `decode_options`): search, beam_size,
-    alpha, n_best, temperature, top_k, top_p, seed, num_samples.
+    alpha, n_best, temperature, top_k, top_p, seed, num_samples. Beam search
+    takes the beam_size and alpha not given from the run's own config
+    (`decode_preset`), so a restored run decodes as its recipe was scored.
     """
 
     family: str
@@ -371,7 +373,7 @@ class LoadedRun:
 
     def translate(self, texts: Sequence[str], *, max_extra: int = 50, batch_size: int = 64,
                   **options) -> list[str] | list[list[Hypothesis]]:
-        """Translations of `texts` (default: beam search, beam 4, alpha 0.6); see `decode`."""
+        """Translations of `texts` (default: the run's own beam search); see `decode`."""
         _check_texts("translate", texts)
         self._check_family("translate", "encoder_decoder")
         return self.decode(texts, max_extra=max_extra, batch_size=batch_size, **options)
@@ -397,7 +399,8 @@ class LoadedRun:
           max_new_tokens: decoder_only only: tokens to generate (default 100).
           batch_size: inputs decoded together.
           **options: search, beam_size, alpha, n_best, temperature, top_k,
-            top_p, seed, num_samples (see `decode_options`).
+            top_p, seed, num_samples (see `decode_options`; its preset is
+            `decode_preset`).
 
         Returns:
           one text per input, or, with n_best or num_samples > 1, per input its
@@ -409,10 +412,15 @@ class LoadedRun:
             input longer than the model allows.
         """
         _check_texts("decode", texts)
-        chosen = decode_options(self.family, **options)
+        chosen = decode_options(self.family, preset=self.decode_preset, **options)
         found = self.hypotheses(texts, chosen, max_extra=max_extra,
                                 max_new_tokens=max_new_tokens, batch_size=batch_size)
         return [h[0].text for h in found] if chosen.per_input == 1 else found
+
+    @property
+    def decode_preset(self) -> dict:
+        """The run's own decode section (beam_size, alpha, ...; {} if it has none)."""
+        return dict(self.run_config.get("decode") or {})
 
     def hypotheses(self, texts: Sequence[str], options: DecodeOptions, *,
                    max_extra: int | None = None, max_new_tokens: int | None = None,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from transformer_zoo.models.decoding import check_sampling
 from transformer_zoo.models.variants import parse
@@ -35,6 +36,7 @@ _OPTIONS = {Search.GREEDY: (), Search.BEAM: _BEAM_OPTIONS, Search.SAMPLE: _SAMPL
 # Values that change nothing where the option has no role (temperature 0 = greedy).
 _NEUTRAL = {"beam_size": 1, "n_best": 1, "num_samples": 1}
 _INTS = ("beam_size", "n_best", "top_k", "seed", "num_samples")
+_PRESET = ("beam_size", "alpha")  # what a run's own decode section sets for beam search
 
 
 class Hypothesis(NamedTuple):
@@ -74,7 +76,8 @@ class DecodeOptions:
         return {Search.BEAM: self.n_best, Search.SAMPLE: self.num_samples}.get(self.search, 1)
 
 
-def decode_options(family: str, *, search: Search | str | None = None,
+def decode_options(family: str, *, preset: Mapping[str, Any] | None = None,
+                   search: Search | str | None = None,
                    beam_size: int | None = None, alpha: float | None = None,
                    n_best: int | None = None, temperature: float | None = None,
                    top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -87,6 +90,13 @@ def decode_options(family: str, *, search: Search | str | None = None,
     spellings of greedy), else the family's default: beam search (beam 4,
     alpha 0.6) for encoder_decoder, greedy for decoder_only. `seed` alone asks
     for nothing (with any search but sampling it is an error).
+
+    `preset` holds a run's own beam settings (its config's decode section:
+    beam_size, alpha; other keys are ignored), so that a restored run decodes
+    the way its recipe was scored: beam search takes the beam_size and alpha
+    not given from it (a preset beam_size of 1 keeps the default 4), and an
+    encoder_decoder run given no option at all decodes with it (greedy for a
+    preset beam_size of 1).
 
     Raises:
       ValueError: an unknown family or search; an option the search does not
@@ -101,6 +111,10 @@ def decode_options(family: str, *, search: Search | str | None = None,
                  top_k=top_k, top_p=top_p, seed=seed, num_samples=num_samples)
     given = {k: v for k, v in given.items() if v is not None}
     _check_types(given)
+    preset = _preset(preset)
+    if search is None and not given and family == "encoder_decoder" and preset.get(
+            "beam_size") == 1:
+        search = Search.GREEDY  # the recipe decodes greedily
     search = _infer_search(family, given) if search is None else parse(Search, search, "search")
     for name, value in given.items():
         neutral = _NEUTRAL.get(name) == value or (name, value, search) == (
@@ -109,7 +123,22 @@ def decode_options(family: str, *, search: Search | str | None = None,
             kind = "a beam search" if name in _BEAM_OPTIONS else "a sampling"
             raise ValueError(f"{name}={value!r} does not apply to search={search.value} "
                              f"({kind} option)")
+    if search == Search.BEAM:
+        given = {k: v for k, v in preset.items() if not (k == "beam_size" and v == 1)} | given
     return DecodeOptions(search=search, **{k: v for k, v in given.items() if k in _OPTIONS[search]})
+
+
+def _preset(preset: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The beam settings of a run's decode section (validated: ValueError names the value)."""
+    found = {k: preset[k] for k in _PRESET if preset and preset.get(k) is not None}
+    try:
+        _check_types(found)
+        if found:
+            DecodeOptions(search=Search.BEAM, **found)
+    except ValueError as e:
+        raise ValueError(f"the run's decode settings {found} are not a valid beam search: "
+                         f"{e}") from None
+    return found
 
 
 def _check_types(given: dict) -> None:

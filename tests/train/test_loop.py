@@ -74,11 +74,12 @@ def test_killed_and_resumed_run_is_bitwise_identical(full_run, tmp_path):
 
 
 def test_decode_in_fresh_process_equals_training_process(full_run, tmp_path):
+    """No search flag: the CLI decodes with the run's own beam (2 in the tiny config)."""
     out = tmp_path / "hyp.txt"
     proc = subprocess.run(
         [sys.executable, "-m", "transformer_zoo.train.decode", f"--workdir={full_run}",
          f"--input={full_run / 'heldout.src'}", f"--reference={full_run / 'heldout.ref'}",
-         "--beam_size=2", f"--output={out}"], cwd=ROOT, capture_output=True, text=True)
+         f"--output={out}"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert out.read_text() == (full_run / "heldout.hyp").read_text()
     assert "exact_match" in proc.stderr and "bleu" in proc.stderr
@@ -138,6 +139,11 @@ def test_load_run_translates_with_beams_n_best_and_samples(full_run):
         scores = [h.score for h in hyps]
         assert len(hyps) == 3 and scores == sorted(scores, reverse=True), hyps
     assert run.translate(src, search="beam", beam_size=4) == plain
+    # Without options, or with some, beam search takes the rest from the run's config.
+    assert run.decode_preset["beam_size"] == 2 and run.decode_preset["alpha"] == 0.6
+    own = run.translate(src, beam_size=2, alpha=0.6)
+    assert run.translate(src) == own and run.translate(src, search="beam") == own
+    assert run.translate(src, alpha=0.6) == own
     greedy = run.translate(src, search="greedy")
     assert greedy == run.translate(src, beam_size=1)  # today's spelling of greedy
     assert run.translate(src, search="sample", top_k=1, seed=5) == greedy
