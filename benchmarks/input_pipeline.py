@@ -1,13 +1,15 @@
 """Input pipeline throughput on Multi30k en-de: tokens/s of finished batches.
 
-    python benchmarks/input_pipeline.py [--data_dir ../shared/data/multi30k]
+    python benchmarks/input_pipeline.py [--data_dir ../shared/data/multi30k] [--bpe_dropout 0.1]
 
 Trains a joint sentencepiece vocabulary (~8000, in a temp dir, not timed), then
 times tokenise + length filter + pack/bucket + batch, single process, and prints
 a table. Then, in the same run, times the training step of the Multi30k recipe
 (configs/multi30k.py: model, optimizer and its packed 64 x 64 batches) and
 prints the ratio of tokens the pipeline produces to tokens training consumes
-per second (the target: >= 5x, so input is never the bottleneck).
+per second (the target: >= 5x, so input is never the bottleneck). With
+--bpe_dropout, the packed recipe is timed again with that rate of BPE-dropout
+(data/bpe_dropout.py: segmentation sampled in Python), in the same run.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def pipeline_tokens_per_second(
     *,
     num_batches: int = 200,
     warmup_batches: int = 5,
+    bpe_dropout: float = 0.0,
 ) -> tuple[float, float]:
     """Times ``num_batches`` training batches of ``make_batches``.
 
@@ -45,7 +48,7 @@ def pipeline_tokens_per_second(
       counting inputs and targets tokens.
     """
     it = iter(data.make_batches(examples, batching, tokenizer=tokenizer, train=True, seed=0,
-                                shard_index=0, shard_count=1))
+                                shard_index=0, shard_count=1, bpe_dropout=bpe_dropout))
     for _ in range(warmup_batches):
         next(it)
     tokens = slots = 0
@@ -98,6 +101,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data_dir", default=DEFAULT_DIR)
     parser.add_argument("--vocab_size", type=int, default=8000)
     parser.add_argument("--num_batches", type=int, default=200)
+    parser.add_argument("--bpe_dropout", type=float, default=0.0,
+                        help="also time the recipe's batches with this BPE-dropout rate")
     args = parser.parse_args(argv)
     src, tgt = (os.path.join(args.data_dir, f"train.{lang}") for lang in ("en", "de"))
     if not (os.path.exists(src) and os.path.exists(tgt)):
@@ -131,6 +136,13 @@ def main(argv=None) -> int:
     print(f"\nMulti30k recipe (pack, 64 rows x 64): pipeline {produced:,.0f} tokens/s, "
           f"train step {consumed:,.0f} tokens/s -> pipeline/training = "
           f"{produced / consumed:.1f}x (target >= 5x)")
+    if args.bpe_dropout:
+        sampled, _ = pipeline_tokens_per_second(examples, tokenizer, recipe,
+                                                num_batches=args.num_batches,
+                                                bpe_dropout=args.bpe_dropout)
+        print(f"with BPE-dropout {args.bpe_dropout}: pipeline {sampled:,.0f} tokens/s -> "
+              f"pipeline/training = {sampled / consumed:.1f}x; {sampled / produced:.2f}x the "
+              f"pipeline without it")
     return 0
 
 

@@ -238,6 +238,9 @@ _SENTENCEPIECE = {
     "spm_byte_fallback": Field(False, "uncovered characters as UTF-8 byte pieces, not UNK"),
     "spm_max_sentences": Field(1_000_000, "training examples sampled to train the tokenizer",
                                at_least=1),
+    "bpe_dropout": Field(0.0, "BPE-dropout on training text (Provilkov et al. 2020): each "
+                         "merge skipped with this probability; spm_model_type bpe only; "
+                         "0 = off", at_least=0.0, below=1.0),
 }
 _SYNTHETIC = {
     "num_train_examples": Field(100_000, "examples per epoch (sampled)", at_least=1),

@@ -15,6 +15,7 @@ Typical use (the embedded default task)::
     it2 = iter(train); it2.set_state(state)   # next(it2) == next(it)
 """
 
+from transformer_zoo.data.bpe_dropout import BpeDropout
 from transformer_zoo.data.hf_tokenizers import HFTokenizer, MarianTokenizer, load_hf_tokenizer
 from transformer_zoo.data.packing import pack, pad, unpack
 from transformer_zoo.data.pipeline import Batching, lm_windows, make_batches, tokenize
@@ -60,6 +61,7 @@ __all__ = [
     "PAD_ID",
     "UNK_ID",
     "Batching",
+    "BpeDropout",
     "CharTokenizer",
     "HFTokenizer",
     "MarianTokenizer",

@@ -28,6 +28,7 @@ packing (or per-process models) for multi-host training.
 from __future__ import annotations
 
 import dataclasses
+import random
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from transformer_zoo.data.bpe_dropout import BpeDropout
 from transformer_zoo.data.packing import SEGMENTED, Batch, RowPacker, example_length, pad
 from transformer_zoo.data.tokenizers import Tokenizer
 
@@ -131,10 +133,13 @@ class _Tokenize:
         self.tokenizer = tokenizer
 
     def __call__(self, example: Mapping[str, Any]) -> dict[str, np.ndarray | int]:
+        return self._ids(example, self.tokenizer.encode)
+
+    def _ids(self, example: Mapping[str, Any], encode) -> dict[str, np.ndarray | int]:
         out: dict[str, Any] = {}
         for key, value in example.items():
             if key in SEGMENTED:
-                ids = self.tokenizer.encode(value) if isinstance(value, str) else list(value)
+                ids = encode(value) if isinstance(value, str) else list(value)
                 out[key] = np.asarray([*ids, self.tokenizer.eos_id], np.int32)
             elif key == "labels" and np.ndim(value) == 1:
                 # Token labels: label 0 for the appended EOS keeps them aligned.
@@ -142,6 +147,21 @@ class _Tokenize:
             else:
                 out[key] = value
         return out
+
+
+class _SampledTokenize(_Tokenize):
+    """Like _Tokenize, with BPE-dropout: the segmentation of the example at stream
+    position `index` depends only on (seed, shard, index), so a resumed iterator
+    sees the same samples and every epoch new ones."""
+
+    def __init__(self, tokenizer: Tokenizer, rate: float, seed: int, shard: int):
+        super().__init__(tokenizer)
+        self.sampler = BpeDropout(tokenizer, rate)
+        self.key = f"bpe-dropout/{seed}/{shard}"
+
+    def __call__(self, index: int, example: Mapping[str, Any]) -> dict[str, np.ndarray | int]:
+        rng = random.Random(f"{self.key}/{index}")  # str seeds hash with sha512: stable
+        return self._ids(example, lambda text: self.sampler.encode(text, rng))
 
 
 class _FitsLengths:
@@ -294,6 +314,7 @@ def make_batches(
     shard_index: int | None = None,
     shard_count: int | None = None,
     prefetch: int = 0,
+    bpe_dropout: float = 0.0,
 ) -> grain.IterDataset:
     """Batches of token ids from text (or id) examples.
 
@@ -311,6 +332,10 @@ def make_batches(
       prefetch: batches prepared ahead in a background thread (grain's
         ThreadPrefetchIterDataset; its state still points after the last batch
         *returned*, so resume stays exact). 0 = none.
+      bpe_dropout: train only, sentencepiece BPE ``tokenizer`` only: the rate at
+        which each merge is dropped (data/bpe_dropout.py); example i of the
+        stream is segmented from (seed, shard_index, i). 0 = the model's own
+        segmentation.
 
     Returns:
       An IterDataset of batch dicts (see packing.py); its iterators are
@@ -330,7 +355,13 @@ def make_batches(
     epoch = len(ds)
     if train:
         ds = ds.shuffle(seed=seed).repeat()  # grain reshuffles each epoch.
-    if tokenizer is not None:
+    if bpe_dropout:
+        if not train or tokenizer is None:
+            raise ValueError(f"bpe_dropout={bpe_dropout} samples training text: it needs "
+                             f"train=True and a tokenizer (got train={train}, tokenizer="
+                             f"{type(tokenizer).__name__})")
+        ds = ds.map_with_index(_SampledTokenize(tokenizer, bpe_dropout, seed, shard_index))
+    elif tokenizer is not None:
         ds = tokenize(ds, tokenizer)
     ds = ds.filter(_FitsLengths(lengths))
     batches = _BatchDataset(ds, batching, lengths, epoch)

@@ -199,6 +199,10 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(normalize_text(text), out_type=int)
 
+    def model_proto(self) -> bytes:
+        """The serialized sentencepiece model (its pieces, scores and settings)."""
+        return self._sp.serialized_model_proto()
+
     def decode(self, ids: Iterable[int]) -> str:
         content = _content_ids(ids, self._eos_id, (self._pad_id, self._bos_id))
         # Ids past the pieces (an added pad/eos, or a model's padded vocabulary)

@@ -77,6 +77,9 @@ def build_input(config, workdir) -> Input:
     if d.task in ("text_file", "tfds_text") and family != Family.DECODER_ONLY:
         raise ValueError(f"data.task={d.task!r} needs family='decoder_only', "
                          f"got {config.family!r}")
+    if d.get("bpe_dropout") and d.spm_model_type != "bpe":
+        raise ValueError(f"data.bpe_dropout={d.bpe_dropout} needs data.spm_model_type='bpe', "
+                         f"got {d.spm_model_type!r}")
     return _BUILDERS[d.task](d, config.seed, Path(workdir))
 
 
@@ -113,7 +116,7 @@ def _batching(d, train: bool) -> data.Batching:
 def _seq2seq_input(d, seed: int, train_ds, eval_ds, tokenizer, num_decode: int) -> Input:
     """Batches of a task of examples; the first `num_decode` held-out ones are decoded."""
     train = data.make_batches(train_ds, _batching(d, True), tokenizer=tokenizer, train=True,
-                              seed=seed)
+                              seed=seed, bpe_dropout=d.get("bpe_dropout", 0.0))
     eval_ds = eval_ds[: d.max_eval_examples] if d.max_eval_examples else eval_ds
 
     def eval_batches():
@@ -268,7 +271,8 @@ def _tfds_text(d, seed: int, workdir: Path) -> Input:
     tokenizer = _sentencepiece(d, seed, workdir, train)
     batching = data.Batching(mode=d.batching, batch_size=per_process(d.batch_size, "batch_size"),
                              max_targets_length=d.seq_length)
-    train_b = data.make_batches(train, batching, tokenizer=tokenizer, train=True, seed=seed)
+    train_b = data.make_batches(train, batching, tokenizer=tokenizer, train=True, seed=seed,
+                                bpe_dropout=d.bpe_dropout)
 
     def eval_batches():
         ds = evals[: d.max_eval_examples or len(evals)]

@@ -8,6 +8,7 @@ import importlib
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -265,3 +266,28 @@ def test_each_task_declares_its_own_fields(tmp_path):
     for task, fields in schema.DATA_TASKS.items():
         assert fields["task"].default == task
         assert all(field.doc for field in fields.values()), task
+
+
+def test_data_bpe_dropout_reaches_the_training_batches_only_with_bpe(tmp_path):
+    words = ["a dog runs", "the cat sleeps quickly", "ein Hund läuft", "die Katze schläft"]
+    for side in ("en", "de"):
+        (tmp_path / f"train.{side}").write_text("\n".join(words * 20) + "\n", "utf-8")
+    config = common.base_config(task="parallel_files")
+    d = config.data
+    d.train_source = d.eval_source = str(tmp_path / "train.en")
+    d.train_target = d.eval_target = str(tmp_path / "train.de")
+    d.update(vocab_size=40, batch_size=8, max_inputs_length=32, max_targets_length=32,
+             spm_model_type="unigram", bpe_dropout=0.3)
+    with pytest.raises(ValueError, match="data.bpe_dropout=0.3 needs "
+                                         "data.spm_model_type='bpe', got 'unigram'"):
+        build_input(config, tmp_path / "unigram")
+    assert not (tmp_path / "unigram").exists()
+    d.spm_model_type = "bpe"
+    sampled = build_input(config, tmp_path / "sampled")
+    d.bpe_dropout = 0.0
+    plain = build_input(config, tmp_path / "plain")
+    first = lambda inp: next(iter(inp.train))["targets"]
+    assert not np.array_equal(first(sampled), first(plain))  # the same pairs, other pieces
+    # Held-out batches are never sampled.
+    for a, b in zip(sampled.eval_batches(), plain.eval_batches(), strict=True):
+        np.testing.assert_array_equal(a["targets"], b["targets"])
