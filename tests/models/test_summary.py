@@ -190,7 +190,7 @@ def test_cli_prints_the_table_of_a_preset(capsys):
 def test_cli_reads_recipes_and_workdirs(capsys, tmp_path):
     code, out, err = _cli(capsys, f"--config={ROOT / 'configs' / 'multi30k.py'}")
     assert code == 0, err
-    assert "V=6000" in out  # data.vocab_size: the tokenizer the recipe trains
+    assert "V=8000" in out  # data.vocab_size: the tokenizer the recipe trains
     code, _, err = _cli(capsys, f"--config={ROOT / 'tests' / 'train' / 'tiny_config.py'}")
     assert code == 1 and "--vocab_size" in err and len(err.splitlines()) == 1
     code, out, err = _cli(capsys, f"--config={ROOT / 'tests' / 'train' / 'tiny_config.py'}",
