@@ -45,7 +45,8 @@ class BpeDropout:
         if not isinstance(tokenizer, SentencePieceTokenizer):
             raise ValueError(f"BPE-dropout needs a sentencepiece BPE tokenizer, got "
                              f"{type(tokenizer).__name__}")
-        proto = model_pb2.ModelProto.FromString(tokenizer.model_proto())
+        serialized = tokenizer.model_proto()
+        proto = model_pb2.ModelProto.FromString(serialized)
         _check_model(proto)
         self.rate = float(rate)
         self._unk_id = tokenizer.unk_id
@@ -53,7 +54,7 @@ class BpeDropout:
         self._ids = {p.piece: i for i, p in enumerate(proto.pieces)}
         # Merge priority: the piece's score (sentencepiece BPE: minus its merge rank).
         self._score = {p.piece: p.score for p in proto.pieces if p.type == _Piece.NORMAL}
-        self._normalizer = spm.SentencePieceProcessor(model_proto=tokenizer.model_proto())
+        self._normalizer = spm.SentencePieceProcessor(model_proto=serialized)
 
     def encode(self, text: str, rng: random.Random) -> list[int]:
         """The ids of one sampled segmentation of `text` (no EOS), drawn from `rng`."""
