@@ -25,7 +25,11 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
+from transformer_zoo.data import BatchMode, SpmModelType
 from transformer_zoo.models import Kernels, ModelConfig
+from transformer_zoo.train.checkpoint import BestMode
+from transformer_zoo.train.schedules import Schedule
+from transformer_zoo.train.state import Optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,12 @@ class Field:
     above: float | None = None
     below: float | None = None
     at_most: float | None = None
+
+    def check_choice(self, name: str, value) -> None:
+        """ValueError naming `name` and `value` if a set value is not one of the choices."""
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{name}={value!r} is unknown; choose from "
+                             f"{[str(choice) for choice in self.choices]}")
 
     def check_range(self, name: str, value) -> None:
         """ValueError naming `name` and `value` if a set number is outside the range."""
@@ -106,9 +116,7 @@ def checked(values: Mapping, fields: Fields, where: str, owner: str | None = Non
         if field.required and out[name] is None:
             raise ValueError(f"{where}.{name} is required by {owner or where}; set it with "
                              f"--config.{where}.{name}=...")
-        if field.choices and out[name] not in field.choices:
-            raise ValueError(f"{where}.{name}={out[name]!r} is unknown; choose from "
-                             f"{list(field.choices)}")
+        field.check_choice(f"{where}.{name}", out[name])
         field.check_range(f"{where}.{name}", out[name])
     return out
 
@@ -210,7 +218,7 @@ def check_model(values: Mapping) -> dict:
 
 _BATCHES = {
     "batching": Field("pack", "pack: several examples per row (first fit) | bucket: one "
-                      "example per row, padded to its length bucket", choices=("pack", "bucket")),
+                      "example per row, padded to its length bucket", choices=tuple(BatchMode)),
     "batch_size": Field(64, "global rows (pack) or examples (bucket) per training batch; "
                         "None with tokens_per_batch", int, at_least=1),
     "tokens_per_batch": Field(None, "instead of batch_size: rows = tokens_per_batch // row "
@@ -232,7 +240,7 @@ _SENTENCEPIECE = {
     "vocab_size": Field(32000, "sentencepiece vocabulary to train (with the 4 special ids); "
                         "joint over source and target", at_least=5),
     "spm_model_type": Field("bpe", "sentencepiece model: bpe | unigram",
-                            choices=("bpe", "unigram")),
+                            choices=tuple(SpmModelType)),
     "spm_character_coverage": Field(1.0, "share of characters the vocabulary covers",
                                     above=0.0, at_most=1.0),
     "spm_byte_fallback": Field(False, "uncovered characters as UTF-8 byte pieces, not UNK"),
@@ -359,16 +367,18 @@ TRAIN_FIELDS = {
     "keep_checkpoints": Field(5, "the latest K are kept (the paper averaged 5 / 20)",
                               at_least=1),
     "best_metric": Field("loss", "eval metric whose best checkpoint is kept too; '' = off"),
-    "best_mode": Field("min", "min | max: which is best", choices=("min", "max")),
+    "best_mode": Field("min", "min | max: which is best", choices=tuple(BestMode)),
     # At the end: the params of the last N checkpoints are averaged (into
     # WORKDIR/averaged), the held-out set is decoded with both, the better is kept
     # (selection on held-out data only) and decodes data.test_* if the task has it.
     "average_last": Field(0, "checkpoints averaged at the end; 0/1 = off", at_least=0),
 }
 
-# The ranges of the `optim` section's numbers (its fields and defaults are declared in
+# The `optim` section's choices and ranges (its fields and defaults are declared in
 # configs/common.py); `check` refuses a value outside them.
-OPTIM_RANGES = {
+OPTIM_FIELDS = {
+    "name": Field("adam", "adam | adamw", choices=tuple(Optimizer)),
+    "schedule": Field("rsqrt_warmup", "learning-rate schedule", choices=tuple(Schedule)),
     "b1": Field(0.9, "Adam beta1", at_least=0.0, below=1.0),
     "b2": Field(0.98, "Adam beta2", at_least=0.0, below=1.0),
     "eps": Field(1e-9, "Adam epsilon", above=0.0),
@@ -400,5 +410,7 @@ def check(config) -> None:
     checked(config.decode, DECODE_FIELDS, "decode")
     checked(config.train, TRAIN_FIELDS, "train")
     optim = config.get("optim") or {}
-    for name, field in OPTIM_RANGES.items():
-        field.check_range(f"optim.{name}", optim.get(name))
+    for name, field in OPTIM_FIELDS.items():
+        if name in optim:
+            field.check_choice(f"optim.{name}", optim[name])
+            field.check_range(f"optim.{name}", optim[name])

@@ -18,7 +18,7 @@ Typical use (the embedded default task)::
 from transformer_zoo.data.bpe_dropout import BpeDropout
 from transformer_zoo.data.hf_tokenizers import HFTokenizer, MarianTokenizer, load_hf_tokenizer
 from transformer_zoo.data.packing import pack, pad, unpack
-from transformer_zoo.data.pipeline import Batching, lm_windows, make_batches, tokenize
+from transformer_zoo.data.pipeline import Batching, BatchMode, lm_windows, make_batches, tokenize
 from transformer_zoo.data.sources import (
     parallel_files,
     sample_texts,
@@ -46,6 +46,7 @@ from transformer_zoo.data.tokenizers import (
     UNK_ID,
     CharTokenizer,
     SentencePieceTokenizer,
+    SpmModelType,
     Tokenizer,
     WordCharTokenizer,
     load_tokenizer,
@@ -60,12 +61,14 @@ __all__ = [
     "NUM_SPECIAL",
     "PAD_ID",
     "UNK_ID",
+    "BatchMode",
     "Batching",
     "BpeDropout",
     "CharTokenizer",
     "HFTokenizer",
     "MarianTokenizer",
     "SentencePieceTokenizer",
+    "SpmModelType",
     "Tokenizer",
     "WordCharTokenizer",
     "lm_windows",

@@ -28,6 +28,7 @@ packing (or per-process models) for multi-host training.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import random
 import sys
 from collections.abc import Mapping, Sequence
@@ -40,7 +41,12 @@ from transformer_zoo.data.bpe_dropout import BpeDropout
 from transformer_zoo.data.packing import SEGMENTED, Batch, RowPacker, example_length, pad
 from transformer_zoo.data.tokenizers import Tokenizer
 
-MODES = ("pack", "bucket")
+
+class BatchMode(enum.StrEnum):
+    """How `Batching` lays examples into rows."""
+
+    PACK = "pack"  # several examples per row, first fit, with segment ids
+    BUCKET = "bucket"  # one example per row, padded to its length bucket
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,8 +54,9 @@ class Batching:
     """How examples become batches.
 
     Attributes:
-      mode: "pack" (first-fit packing into rows of fixed length) or "bucket"
-        (one example per row, padded to the smallest bucket length that fits).
+      mode: a `BatchMode` (or its value): PACK (first-fit packing into rows of
+        fixed length) or BUCKET (one example per row, padded to the smallest
+        bucket length that fits).
       batch_size: rows per batch (pack) or examples per batch (bucket).
       tokens_per_batch: alternative to batch_size: rows = tokens_per_batch //
         row length (pack: the longest of the row lengths; bucket: the bucket length),
@@ -62,7 +69,7 @@ class Batching:
       rows_multiple: rows per batch are a multiple of this (e.g. device count).
     """
 
-    mode: str = "pack"
+    mode: BatchMode | str = BatchMode.PACK
     batch_size: int | None = None
     tokens_per_batch: int | None = None
     max_inputs_length: int | None = None
@@ -71,8 +78,10 @@ class Batching:
     rows_multiple: int = 1
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"Batching.mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in BatchMode._value2member_map_:
+            raise ValueError(f"Batching.mode={self.mode!r} is unknown; choose from "
+                             f"{[mode.value for mode in BatchMode]}")
+        object.__setattr__(self, "mode", BatchMode(self.mode))
         if (self.batch_size is None) == (self.tokens_per_batch is None):
             raise ValueError(
                 "Batching: set exactly one of batch_size / tokens_per_batch, got "
@@ -300,7 +309,7 @@ class _BatchDataset(grain.IterDataset):
         self._epoch = epoch
 
     def __iter__(self) -> grain.DatasetIterator:
-        cls = _PackIterator if self._batching.mode == "pack" else _BucketIterator
+        cls = _PackIterator if self._batching.mode == BatchMode.PACK else _BucketIterator
         return cls(self._source, self._batching, self._lengths, self._epoch)
 
 

@@ -24,6 +24,7 @@ and ``load_tokenizer(directory)`` restores whichever kind was saved there.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -236,12 +237,19 @@ def check_special_ids(tokenizer: Tokenizer, config: dict, path: str) -> Tokenize
     return tokenizer
 
 
+class SpmModelType(enum.StrEnum):
+    """The sentencepiece algorithms `train_sentencepiece` trains."""
+
+    BPE = "bpe"  # byte-pair merges (Sennrich et al. 2016); BPE-dropout needs it
+    UNIGRAM = "unigram"  # unigram language model (Kudo 2018)
+
+
 def train_sentencepiece(
     texts: Iterable[str],
     directory: str | os.PathLike,
     *,
     vocab_size: int,
-    model_type: str = "bpe",
+    model_type: SpmModelType | str = SpmModelType.BPE,
     character_coverage: float = 1.0,
     byte_fallback: bool = False,
     max_sentences: int = 1_000_000,
@@ -258,7 +266,7 @@ def train_sentencepiece(
         is already there it is loaded instead of retrained (and checked).
       vocab_size: requested vocabulary size including the 4 specials; tiny corpora
         may yield fewer pieces (``hard_vocab_limit=False``).
-      model_type: "bpe" or "unigram".
+      model_type: a `SpmModelType` (or its value).
       character_coverage: fraction of characters covered by the vocabulary.
       byte_fallback: encode uncovered characters as UTF-8 byte pieces instead of UNK.
       max_sentences: upper bound on the sentences read (bounded memory).
@@ -266,8 +274,10 @@ def train_sentencepiece(
     Returns:
       The trained (or reused) tokenizer.
     """
-    if model_type not in ("bpe", "unigram"):
-        raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    if model_type not in SpmModelType._value2member_map_:
+        raise ValueError(f"model_type={model_type!r} is unknown; choose from "
+                         f"{[kind.value for kind in SpmModelType]}")
+    model_type = SpmModelType(model_type)
     if vocab_size <= NUM_SPECIAL:
         raise ValueError(f"vocab_size must be > {NUM_SPECIAL}, got {vocab_size}")
     model_path = os.path.join(directory, SentencePieceTokenizer.MODEL_FILE)
@@ -283,7 +293,7 @@ def train_sentencepiece(
             sentence_iterator=_bounded_normalized(texts, max_sentences),
             model_prefix=prefix,
             vocab_size=vocab_size,
-            model_type=model_type,
+            model_type=model_type.value,
             character_coverage=character_coverage,
             byte_fallback=byte_fallback,
             pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,

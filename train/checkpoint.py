@@ -23,6 +23,7 @@ restore with a warning.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -40,6 +41,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
+
+from transformer_zoo.models.variants import parse
 
 ARRAY_ITEMS = ("params", "opt_state", "meta")
 TRAIN_ITEMS = ("params", "opt_state", "meta", "data", "config")  # what a resume reads
@@ -85,6 +88,13 @@ def checkpoint_dir(workdir: str | Path) -> Path:
     return Path(workdir).absolute() / "checkpoints"
 
 
+class BestMode(enum.StrEnum):
+    """Which value of `best_metric` is the best (the config's train.best_mode)."""
+
+    MIN = "min"  # a loss
+    MAX = "max"  # an accuracy or a BLEU score
+
+
 class Checkpointer:
     """CheckpointManager wrapper: keep the last `keep` steps and the best one.
 
@@ -92,20 +102,22 @@ class Checkpointer:
       workdir: run directory; checkpoints go to workdir/checkpoints.
       keep: how many of the latest steps to keep.
       best_metric: metric name whose best step is kept as well (None: off).
-      best_mode: "min" or "max" for best_metric.
+      best_mode: a `BestMode` (or its value) for best_metric.
       async_save: save in a background thread (wait() before exit).
       read_only: open an existing directory for restoring only.
     """
 
     def __init__(self, workdir, *, keep: int = 3, best_metric: str | None = None,
-                 best_mode: str = "min", async_save: bool = True, read_only: bool = False):
+                 best_mode: BestMode | str = BestMode.MIN, async_save: bool = True,
+                 read_only: bool = False):
+        best_mode = parse(BestMode, best_mode, "Checkpointer best_mode")
         policies = [pp.LatestN(keep)]
         self.best_metric = best_metric or None
         if best_metric:
             # Only steps saved with the metric compete; the others are LatestN's alone
             # (orbax's default keeps every step without metrics forever).
             policies.append(pp.BestN(get_metric_fn=lambda m: m[best_metric], n=1,
-                                     reverse=best_mode == "min",
+                                     reverse=best_mode == BestMode.MIN,
                                      keep_checkpoints_without_metrics=False))
         options = ocp.CheckpointManagerOptions(
             preservation_policy=pp.AnyPreservationPolicy(policies),

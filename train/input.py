@@ -77,7 +77,7 @@ def build_input(config, workdir) -> Input:
     if d.task in ("text_file", "tfds_text") and family != Family.DECODER_ONLY:
         raise ValueError(f"data.task={d.task!r} needs family='decoder_only', "
                          f"got {config.family!r}")
-    if d.get("bpe_dropout") and d.spm_model_type != "bpe":
+    if d.get("bpe_dropout") and d.spm_model_type != data.SpmModelType.BPE:
         raise ValueError(f"data.bpe_dropout={d.bpe_dropout} needs data.spm_model_type='bpe', "
                          f"got {d.spm_model_type!r}")
     return _BUILDERS[d.task](d, config.seed, Path(workdir))

@@ -7,10 +7,21 @@ with step counted from 1.
 
 from __future__ import annotations
 
+import enum
+
 import jax.numpy as jnp
 import optax
 
-SCHEDULES = ("rsqrt_warmup", "warmup_cosine", "inverse_sqrt", "constant")
+from transformer_zoo.models.variants import parse
+
+
+class Schedule(enum.StrEnum):
+    """The learning-rate schedules of `make_schedule` (the config's optim.schedule)."""
+
+    RSQRT_WARMUP = "rsqrt_warmup"  # the paper's eq. 3, scaled by the peak
+    WARMUP_COSINE = "warmup_cosine"  # linear warmup, cosine decay to end_value
+    INVERSE_SQRT = "inverse_sqrt"  # linear warmup to the peak, then 1/sqrt(step)
+    CONSTANT = "constant"
 
 
 def rsqrt_warmup(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
@@ -36,7 +47,7 @@ def inverse_sqrt(peak: float, warmup_steps: int) -> optax.Schedule:
 
 
 def make_schedule(
-    name: str,
+    name: Schedule | str,
     *,
     d_model: int,
     peak: float,
@@ -44,28 +55,30 @@ def make_schedule(
     total_steps: int,
     end_value: float = 0.0,
 ) -> optax.Schedule:
-    """The schedule called `name` (one of SCHEDULES).
+    """The schedule called `name`.
 
     Args:
-      name: schedule name.
+      name: a `Schedule` (or its value).
       d_model: model width (rsqrt_warmup).
       peak: peak learning rate; for rsqrt_warmup a multiplier of the formula.
       warmup_steps: linear warmup length.
       total_steps: run length (warmup_cosine decays until then).
       end_value: final value of warmup_cosine.
+
+    Raises:
+      ValueError: an unknown name, or a warmup that does not fit.
     """
-    if name == "rsqrt_warmup":
+    name = parse(Schedule, name, "optim.schedule")
+    if name == Schedule.RSQRT_WARMUP:
         return rsqrt_warmup(d_model, warmup_steps, peak)
-    if name == "warmup_cosine":
+    if name == Schedule.WARMUP_COSINE:
         _check_warmup(warmup_steps)
         if total_steps <= warmup_steps:
             raise ValueError(f"total_steps={total_steps} must exceed warmup_steps={warmup_steps}")
         return optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps, total_steps, end_value)
-    if name == "inverse_sqrt":
+    if name == Schedule.INVERSE_SQRT:
         return inverse_sqrt(peak, warmup_steps)
-    if name == "constant":
-        return optax.constant_schedule(peak)
-    raise ValueError(f"schedule={name!r} is unknown; choose from {SCHEDULES}")
+    return optax.constant_schedule(peak)
 
 
 def _check_warmup(warmup_steps: int) -> None:

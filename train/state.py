@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -10,9 +11,17 @@ import jax.numpy as jnp
 import optax
 from flax import struct, traverse_util
 
+from transformer_zoo.models.variants import parse
 from transformer_zoo.train.schedules import make_schedule
 
 Array = Any
+
+
+class Optimizer(enum.StrEnum):
+    """The optimizers of `make_optimizer` (the config's optim.name)."""
+
+    ADAM = "adam"  # the paper's
+    ADAMW = "adamw"  # decoupled weight decay, masked off norms and biases
 
 
 @struct.dataclass
@@ -69,18 +78,17 @@ def make_optimizer(optim, d_model: int, total_steps: int) -> tuple[optax.Gradien
     Returns:
       (tx, schedule): the transformation and its learning-rate schedule.
     """
+    name = parse(Optimizer, optim.name, "optim.name")
     schedule = make_schedule(
         optim.schedule, d_model=d_model, peak=optim.learning_rate,
         warmup_steps=optim.warmup_steps, total_steps=total_steps,
         end_value=optim.get("end_learning_rate", 0.0),
     )
-    if optim.name == "adam":
+    if name == Optimizer.ADAM:
         core = optax.adam(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps)
-    elif optim.name == "adamw":
+    else:
         core = optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
                            weight_decay=optim.weight_decay, mask=decay_mask)
-    else:
-        raise ValueError(f"optim.name={optim.name!r} is unknown; choose 'adam' or 'adamw'")
     parts = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm else []
     tx = optax.chain(*parts, core)
     if optim.grad_accum_steps > 1:

@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
     ("--config.data.num_train_exmples=5", 'Did you mean "num_train_examples"'),
     # Refused by configs/schema.py's check, before the tokenizer and data.
     ("--config.decode.metric=blue", "decode.metric='blue' is unknown; choose from"),
+    # The optimizer's choices too (they used to fail after the tokenizer was written).
+    ("--config.optim.schedule=nope", "optim.schedule='nope' is unknown; choose from"),
 ])
 def test_a_misspelt_field_exits_1_with_one_line_and_writes_nothing(tmp_path, override, match):
     workdir = tmp_path / "run"

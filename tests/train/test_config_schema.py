@@ -239,7 +239,11 @@ def test_a_misspelt_override_is_refused_when_the_command_line_is_parsed(override
     ("--config.model.norm=rmsnrom", r"ModelConfig.norm='rmsnrom' is unknown"),
     ("--config.decode.metric=blue", r"decode.metric='blue' is unknown; choose from"),
     ("--config.train.best_mode=least", r"train.best_mode='least' is unknown"),
-    ("--config.data.batching=packed", r"data.batching='packed' is unknown"),
+    ("--config.data.batching=packed", r"data.batching='packed' is unknown; choose from "
+                                      r"\['pack', 'bucket'\]"),
+    ("--config.optim.schedule=cosine", r"optim.schedule='cosine' is unknown; choose from "
+                                       r"\['rsqrt_warmup', 'warmup_cosine'"),
+    ("--config.optim.name=sgd", r"optim.name='sgd' is unknown; choose from \['adam', 'adamw'\]"),
     ("--config.data.task=sorted", r"data.max_targets_length is not a field of data task "
                                   r"'sorted'"),
 ])
