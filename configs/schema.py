@@ -29,6 +29,7 @@ from transformer_zoo.data import BatchMode, SpmModelType
 from transformer_zoo.models import Kernels, ModelConfig
 from transformer_zoo.train.checkpoint import BestMode
 from transformer_zoo.train.schedules import Schedule
+from transformer_zoo.train.scores import DecodeMetric
 from transformer_zoo.train.state import Optimizer
 
 
@@ -349,7 +350,7 @@ DECODE_FIELDS = {
     "eval_examples": Field(100, "held-out examples decoded at each periodic eval; 0 = at the "
                            "end only", at_least=0),
     "metric": Field("bleu", "bleu (sacreBLEU + chrF) | exact_match",
-                    choices=("bleu", "exact_match")),
+                    choices=tuple(DecodeMetric)),
     "sample_length": Field(0, "decoder_only: tokens sampled at the end after sample_prompt "
                            "(printed, and in WORKDIR/sample.txt); 0 = no sample", at_least=0),
     "sample_prompt": Field("\n", "decoder_only: the text the sample continues"),

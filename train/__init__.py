@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "BestMode": "transformer_zoo.train.checkpoint",
     "Checkpointer": "transformer_zoo.train.checkpoint",
     "average_checkpoints": "transformer_zoo.train.checkpoint",
     "average_params": "transformer_zoo.train.checkpoint",
@@ -18,8 +19,13 @@ _EXPORTS = {
     "label_smoothed_cross_entropy": "transformer_zoo.train.losses",
     "smoothing_floor": "transformer_zoo.train.losses",
     "summarize": "transformer_zoo.train.losses",
+    "Schedule": "transformer_zoo.train.schedules",
     "make_schedule": "transformer_zoo.train.schedules",
+    "DecodeMetric": "transformer_zoo.train.scores",
+    "bleu_chrf": "transformer_zoo.train.scores",
+    "exact_match": "transformer_zoo.train.scores",
     "rsqrt_warmup": "transformer_zoo.train.schedules",
+    "Optimizer": "transformer_zoo.train.state",
     "TrainState": "transformer_zoo.train.state",
     "create_train_state": "transformer_zoo.train.state",
     "make_optimizer": "transformer_zoo.train.state",

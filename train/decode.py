@@ -44,7 +44,8 @@ from absl import flags
 
 from transformer_zoo.train.cli import run_command
 from transformer_zoo.train.parallel import kernels_for
-from transformer_zoo.train.predict import DecodeOptions, Search, decode_options, load_run, score
+from transformer_zoo.train.predict import DecodeOptions, Search, decode_options, load_run
+from transformer_zoo.train.scores import score
 
 PROG = "python -m transformer_zoo.train.decode"
 _SEARCH_FLAGS = ("beam_size", "alpha", "n_best", "temperature", "top_k", "top_p", "seed",

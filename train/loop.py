@@ -35,6 +35,7 @@ from transformer_zoo.train.checkpoint import (
 from transformer_zoo.train.input import Input, build_input, copy_tokenizer
 from transformer_zoo.train.losses import summarize
 from transformer_zoo.train.metrics import CompileTimer, MetricWriter, Progress
+from transformer_zoo.train.scores import DecodeMetric
 from transformer_zoo.train.state import TrainState, create_train_state, make_optimizer
 from transformer_zoo.train.step import make_eval_step, make_train_step
 from transformer_zoo.train.tasks import Family, Task, get_task, model_config_from
@@ -242,7 +243,7 @@ def final_scores(run: Run, params) -> dict[str, float]:
         averaged = _averaged_params(run, n)
         if averaged is not None:
             scores = predict.score_examples(run, averaged, tag=f"heldout_avg{n}")
-            metric = "bleu" if "bleu" in result else "exact_match"
+            metric = DecodeMetric(run.config.decode.metric)  # the key of its score
             result.update({f"avg{n}_{k}": v for k, v in scores.items()})
             better = scores[metric] > result[metric]
             result["selected_average"] = float(better)

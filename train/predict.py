@@ -23,13 +23,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sacrebleu
 from flax.core import meta
 
-from transformer_zoo.data import load_tokenizer, normalize_text
+from transformer_zoo.data import load_tokenizer
 from transformer_zoo.models import Kernels, ModelConfig, generate
 from transformer_zoo.models.decoding import NEG_INF
 from transformer_zoo.train.checkpoint import Checkpointer, DamagedCheckpointError
+from transformer_zoo.train.scores import metric_scores
 from transformer_zoo.train.search import (  # noqa: F401  (re-exported: predict's interface)
     GENERATING_FAMILIES,
     DecodeOptions,
@@ -296,18 +296,6 @@ def _extra_room(model_config, width: int, max_extra: int) -> int:
     return max_extra if limit is None else max(min(max_extra, limit - width), 1)
 
 
-def exact_match(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-    """Share of hypotheses equal to their reference after whitespace normalisation."""
-    pairs = list(zip(hypotheses, references, strict=True))
-    return sum(normalize_text(h) == normalize_text(r) for h, r in pairs) / max(len(pairs), 1)
-
-
-def bleu_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """sacreBLEU (13a, cased) and chrF on detokenised text."""
-    return {"bleu": sacrebleu.corpus_bleu(hypotheses, [list(references)]).score,
-            "chrf": sacrebleu.corpus_chrf(hypotheses, [list(references)]).score}
-
-
 def score_examples(run, params, limit: int | None = None, examples=None,
                    tag: str = "heldout") -> dict[str, float]:
     """Decodes held-out examples and returns the metric (BLEU + chrF, or exact match).
@@ -330,8 +318,7 @@ def score_examples(run, params, limit: int | None = None, examples=None,
     hyps = translate_texts(run.model, params, run.input.tokenizer, sources,
                            beam_size=cfg.beam_size, alpha=cfg.alpha, max_extra=cfg.max_extra,
                            batch_size=cfg.batch_size)
-    scores = (bleu_chrf(hyps, references) if cfg.metric == "bleu"
-              else {"exact_match": exact_match(hyps, references)})
+    scores = metric_scores(cfg.metric, hyps, references)
     if limit:
         return scores
     if jax.process_index() == 0:
@@ -344,11 +331,6 @@ def score_examples(run, params, limit: int | None = None, examples=None,
           + f"  ({len(examples)} examples)")
     return scores
 
-
-
-def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """Exact match, sacreBLEU and chrF."""
-    return {"exact_match": exact_match(hypotheses, references), **bleu_chrf(hypotheses, references)}
 
 
 @dataclasses.dataclass

@@ -11,9 +11,11 @@ import pytest
 from ml_collections import ConfigDict
 
 from transformer_zoo.data import Batching, BatchMode, SpmModelType, train_sentencepiece
-from transformer_zoo.train.checkpoint import BestMode, Checkpointer
-from transformer_zoo.train.schedules import Schedule, make_schedule
-from transformer_zoo.train.state import Optimizer, make_optimizer
+from transformer_zoo.train import BestMode, DecodeMetric, Optimizer, Schedule
+from transformer_zoo.train.checkpoint import Checkpointer
+from transformer_zoo.train.schedules import make_schedule
+from transformer_zoo.train.scores import metric_scores
+from transformer_zoo.train.state import make_optimizer
 
 
 def _optim(**overrides) -> ConfigDict:
@@ -34,6 +36,12 @@ def _optimizer(name):
     return make_optimizer(_optim(name=name), d_model=8, total_steps=100)
 
 
+def _scores(metric):
+    scores = metric_scores(metric, ["Ein Hund läuft ."], ["Ein Hund läuft ."])
+    expected = {"exact_match": 1.0} if metric == "exact_match" else {"bleu": 100.0, "chrf": 100.0}
+    assert scores == pytest.approx(expected), scores
+
+
 def _checkpointer(tmp_path):
     def build(mode):
         return Checkpointer(tmp_path / str(mode), best_metric="loss", best_mode=mode,
@@ -52,6 +60,7 @@ CASES = [
     ("batching", lambda tmp: _batching, "Batching.mode", BatchMode),
     ("schedule", lambda tmp: _schedule, "optim.schedule", Schedule),
     ("optimizer", lambda tmp: _optimizer, "optim.name", Optimizer),
+    ("metric", lambda tmp: _scores, "decode.metric", DecodeMetric),
     ("checkpointer", _checkpointer, "Checkpointer best_mode", BestMode),
     ("sentencepiece", _spm, "model_type", SpmModelType),
 ]
