@@ -2,7 +2,7 @@
 
     python -m transformer_zoo.train --config configs/multi30k.py --workdir runs/multi30k
 
-One command trains (~49 min on a 2-core AMD Zen 5 with a 6k vocabulary; 72 min in
+One command trains (~49 min on a 2-core AMD Zen 5 with a 6k vocabulary; 69 min in
 all on a 2-core AMD EPYC Zen 4 with this one), checkpoints every 100 steps,
 decodes val (beam 6, alpha 1.4) with the final and with the average of the
 last 10 checkpoints, keeps the better on val, and decodes test2016 with it:
@@ -52,10 +52,12 @@ def get_config() -> ml_collections.ConfigDict:
     d.num_decode_examples = 1014  # decode all of val at the end (BLEU)
 
     o = config.optim
-    # Linear warmup to 5e-3, then decay with the inverse square root (the paper's
-    # shape; a small model takes a high peak).
-    o.schedule = "inverse_sqrt"
+    # Linear warmup to 5e-3 (a small model takes a high peak), then a cosine decay to
+    # 0 at the last step: on val +0.39 BLEU over the paper's inverse-square-root decay
+    # (final 40.62 vs its average of 10, 40.23), whose last steps still ran at 2.8e-3.
+    o.schedule = "warmup_cosine"
     o.learning_rate = 5e-3
+    o.end_learning_rate = 0.0
     o.warmup_steps = 2000
 
     t = config.train
