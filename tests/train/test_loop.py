@@ -441,6 +441,7 @@ def test_translation_recipe_averages_selects_on_val_and_reports_test(tmp_path):
                        test_source=str(corpus / "test.en"), test_target=str(corpus / "test.de"),
                        vocab_size=64, batch_size=8, max_inputs_length=32, max_targets_length=32,
                        eval_batch_size=8, num_decode_examples=12)
+    config.optim.update(warmup_steps=2)  # the recipe's cosine needs warmup < num_steps
     config.train.update(num_steps=6, checkpoint_every=2, eval_every=0, log_every=3,
                         average_last=3)
     config.decode.update(beam_size=2, max_extra=4, num_print=0)
