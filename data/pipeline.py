@@ -78,6 +78,7 @@ class Batching:
     rows_multiple: int = 1
 
     def __post_init__(self):
+        # As models.variants.parse does; data does not import models (and flax).
         if self.mode not in BatchMode._value2member_map_:
             raise ValueError(f"Batching.mode={self.mode!r} is unknown; choose from "
                              f"{[mode.value for mode in BatchMode]}")

@@ -274,6 +274,7 @@ def train_sentencepiece(
     Returns:
       The trained (or reused) tokenizer.
     """
+    # As models.variants.parse does; data does not import models (and flax).
     if model_type not in SpmModelType._value2member_map_:
         raise ValueError(f"model_type={model_type!r} is unknown; choose from "
                          f"{[kind.value for kind in SpmModelType]}")

@@ -332,7 +332,6 @@ def score_examples(run, params, limit: int | None = None, examples=None,
     return scores
 
 
-
 @dataclasses.dataclass
 class LoadedRun:
     """A trained run restored for inference: model, params and tokenizer.

@@ -2,7 +2,7 @@
 
 Each public entry point takes a member or its exact value and refuses anything else
 with a ValueError that names the field, the value and the choices (a misspelt value
-used to pass silently: Checkpointer(best_mode="mx") kept the lowest metric).
+used to pass silently: Checkpointer(best_mode="mx") acted as "max").
 """
 
 import enum
