@@ -400,6 +400,18 @@ def _check_long_eval(length: int | None, model: Mapping) -> None:
                          "use position_encoding='rope' or 'alibi'")
 
 
+def _check_schedule(optim: Mapping, num_steps: int) -> None:
+    """A warmup the schedule needs, and a cosine decay that has steps to decay over."""
+    schedule = optim.get("schedule", OPTIM_FIELDS["schedule"].default)
+    warmup = optim.get("warmup_steps", OPTIM_FIELDS["warmup_steps"].default)
+    if schedule != Schedule.CONSTANT and warmup < 1:
+        raise ValueError(f"optim.warmup_steps={warmup} must be >= 1 for "
+                         f"optim.schedule={str(schedule)!r}")
+    if schedule == Schedule.WARMUP_COSINE and num_steps <= warmup:
+        raise ValueError(f"optim.schedule='warmup_cosine' decays over train.num_steps="
+                         f"{num_steps}, which must exceed optim.warmup_steps={warmup}")
+
+
 def check(config) -> None:
     """ValueError on an unknown key or a bad value in model, data, decode or train.
 
@@ -415,3 +427,4 @@ def check(config) -> None:
         if name in optim:
             field.check_choice(f"optim.{name}", optim[name])
             field.check_range(f"optim.{name}", optim[name])
+    _check_schedule(optim, config.train.num_steps)

@@ -56,6 +56,12 @@ TRAIN_CASES = {
     "num_decode_negative": (TINY, ("--config.data.num_decode_examples=-1",),
                             "data.num_decode_examples must be >= 0, got -1"),
     "beam_size_0": (TINY, ("--config.decode.beam_size=0",), "decode.beam_size must be >= 1, got 0"),
+    # Refused before the tokenizer is trained (the optimizer is built after it).
+    "cosine_shorter_than_warmup": (
+        MULTI30K, (*_FILES, "--config.data.train_source={good}",
+                   "--config.data.train_target={good}", "--config.train.num_steps=100"),
+        "optim.schedule='warmup_cosine' decays over train.num_steps=100, which must exceed "
+        "optim.warmup_steps=2000"),
     "workdir_is_a_file": (TINY, ("--workdir={a_file}",), "is not a directory"),
     "workdir_not_writable": (TINY, ("--workdir=/sys/zoo_workdir",),
                              "--workdir /sys/zoo_workdir is not writable"),
@@ -139,6 +145,8 @@ def test_train_bad_input(name, train_results, files):
     assert code == 1, (code, stderr)
     assert TRAIN_CASES[name][2].format(**files) in line
     assert stdout == ""  # nothing started: no run header
+    if name != "long_eval_beyond_held_out_text":  # counting the text needs the tokenizer
+        assert not (Path(files["dir"]) / name).exists()  # nothing written
 
 
 @contextlib.contextmanager

@@ -254,6 +254,24 @@ def test_a_bad_value_fails_before_any_work(tmp_path, override, match):
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize("overrides,match", [
+    (("--config.optim.schedule=warmup_cosine", "--config.optim.warmup_steps=30"),
+     r"optim.schedule='warmup_cosine' decays over train.num_steps=30, which must exceed "
+     r"optim.warmup_steps=30"),
+    (("--config.optim.schedule=inverse_sqrt", "--config.optim.warmup_steps=0"),
+     r"optim.warmup_steps=0 must be >= 1 for optim.schedule='inverse_sqrt'"),
+])
+def test_a_schedule_that_does_not_fit_the_run_fails_before_any_work(tmp_path, overrides, match):
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match=match):
+        train_and_evaluate(_parse(*overrides), workdir)
+    assert not workdir.exists()
+
+
+def test_a_constant_schedule_needs_no_warmup():
+    schema.check(_parse("--config.optim.schedule=constant", "--config.optim.warmup_steps=0"))
+
+
 def test_each_task_declares_its_own_fields(tmp_path):
     assert set(schema.DATA_TASKS) == {"numbers", "sorted", "parallel_files", "tfds_translation",
                                       "text_file", "tfds_text"}
