@@ -4,7 +4,8 @@
 
 The check that the English -> German recipe generalises: the same model, joint
 vocabulary, schedule, averaging and search, every one chosen on en->de val, with
-no further tuning; only the source and target files change places.
+no further tuning; only the source and target files change places. It scores
+test2016 41.87 BLEU / 61.41 chrF (val 41.93, average of 10; README, results).
 """
 
 import ml_collections
