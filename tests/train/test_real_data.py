@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 # The recipe unchanged but for its length: 500 steps, warmup shortened to 150 (the full
-# run warms up over 2000 of 6500 steps; the cosine then decays to 0 at step 500). Above
+# run warms up over 2000 of 5800 steps; the cosine then decays to 0 at step 500). Above
 # the floor with the cosine schedule (clean-clone CI); 3.9 BLEU on these 100 val sentences
 # with the inverse-sqrt schedule, the
 # recipe's 8k vocabulary and beam 6 / alpha 1.4 (7.5 with the 6k vocabulary and beam 4
