@@ -61,7 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
     o.warmup_steps = 2000
 
     t = config.train
-    # 5800 steps (~42 epochs) fit the hour at ~580 ms/step on a 2-core Intel Xeon; at
+    # 5800 steps (~43 epochs) fit the hour at ~580 ms/step on a 2-core Intel Xeon; at
     # dropout 0.3 they scored the same on val as 6500 (40.62). On a slower CPU scale
     # num_steps by the ms/step the log prints.
     t.num_steps = 5800
