@@ -3,7 +3,7 @@
     python -m transformer_zoo.train --config configs/multi30k_deen.py --workdir runs/multi30k_deen
 
 The check that the English -> German recipe generalises: the same model, joint
-vocabulary, schedule, averaging and search, every one chosen on en->de val, with
+vocabulary, schedule, checkpoint choice and search, every one chosen on en->de val, with
 no further tuning; only the source and target files change places. It scores
 test2016 42.65 BLEU / 62.14 chrF (val 42.87, the final checkpoint; README, results).
 """
