@@ -373,6 +373,10 @@ TRAIN_FIELDS = {
     # WORKDIR/averaged), the held-out set is decoded with both, the better is kept
     # (selection on held-out data only) and decodes data.test_* if the task has it.
     "average_last": Field(0, "checkpoints averaged at the end; 0/1 = off", at_least=0),
+    # The tied output layer and the loss in pieces of the target length, so the
+    # [B, T, V] logits and their gradient are never stored (train/chunked_loss.py).
+    "loss_chunks": Field(0, "0 = the loss on the model's logits; n >= 1: in n pieces of the "
+                         "target length (generating families, tie_output)", at_least=0),
 }
 
 # The `optim` section's choices and ranges (its fields and defaults are declared in
@@ -412,6 +416,18 @@ def _check_schedule(optim: Mapping, num_steps: int) -> None:
                          f"{num_steps}, which must exceed optim.warmup_steps={warmup}")
 
 
+def _check_loss_chunks(chunks: int, family: str | None, model: Mapping) -> None:
+    """The chunked loss reads the tied table of a generating family's decoder."""
+    if not chunks:
+        return
+    if family == "encoder_only":
+        raise ValueError(f"train.loss_chunks={chunks} needs a generating family "
+                         "(encoder_decoder or decoder_only), got family='encoder_only'")
+    if not model["tie_output"]:
+        raise ValueError(f"train.loss_chunks={chunks} needs model.tie_output=True (the "
+                         "chunked loss reads the tied embedding table)")
+
+
 def check(config) -> None:
     """ValueError on an unknown key or a bad value in model, data, decode or train.
 
@@ -421,7 +437,8 @@ def check(config) -> None:
     data_fields(config.data)
     _check_long_eval(config.data.get("long_eval_length"), model)
     checked(config.decode, DECODE_FIELDS, "decode")
-    checked(config.train, TRAIN_FIELDS, "train")
+    train = checked(config.train, TRAIN_FIELDS, "train")
+    _check_loss_chunks(train["loss_chunks"], config.get("family"), model)
     optim = config.get("optim") or {}
     for name, field in OPTIM_FIELDS.items():
         if name in optim:

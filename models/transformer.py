@@ -87,10 +87,13 @@ def _output_bias(cfg: ModelConfig, module: nn.Module, logits: Array, vocab: int)
     """logits + a learned [V] bias when config.output_bias (float32)."""
     if not cfg.output_bias:
         return logits
-    bias = module.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros,
+    return logits + _bias_param(cfg, module, vocab).astype(jnp.float32)
+
+
+def _bias_param(cfg: ModelConfig, module: nn.Module, vocab: int) -> Array:
+    return module.param("logits_bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                                     (axes.VOCAB,)),
                         (vocab,), cfg.param_dtype)
-    return logits + bias.astype(jnp.float32)
 
 
 def _final_norm(cfg: ModelConfig, x: Array) -> Array:
@@ -137,8 +140,13 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, segmentation, positions, *, encoded=None, cross_mask=None,
-                 deterministic: bool = True, decode: bool = False):
-        """tokens [B, T] (already shifted) -> logits [B, T, V] float32."""
+                 deterministic: bool = True, decode: bool = False, return_hidden: bool = False):
+        """tokens [B, T] (already shifted) -> logits [B, T, V] float32.
+
+        With return_hidden=True: the final states [B, T, D] that the output
+        layer reads, for a loss that applies `output_weights` itself
+        (train/chunked_loss.py); the output bias is still created at init.
+        """
         cfg = self.config
         if decode:
             positions = self._decode_positions(tokens, positions)
@@ -155,11 +163,29 @@ class Decoder(nn.Module):
                 deterministic=deterministic, decode=decode,
             )
         x = _final_norm(cfg, x)
+        if return_hidden:
+            if cfg.output_bias:  # created here at init, read by output_weights
+                _bias_param(cfg, self, cfg.vocab_size)
+            return x
         if cfg.tie_output:
             return _output_bias(cfg, self, self.embed.attend(x, decode=decode), cfg.vocab_size)
         head = dense(cfg.vocab_size, axes.EMBED, axes.VOCAB, use_bias=False, kernels=cfg.kernels,
                      dtype=jnp.float32, param_dtype=cfg.param_dtype, name="logits")
         return _output_bias(cfg, self, head(x.astype(jnp.float32)), cfg.vocab_size)
+
+    def output_weights(self) -> tuple[Array, Array]:
+        """The tied output layer: (table [V, D], bias [V]; zeros without output_bias).
+
+        The logits are hidden @ table^T + bias in float32. ValueError for an
+        untied head (a dense layer whose kernel exists only once it is called).
+        """
+        cfg = self.config
+        if not cfg.tie_output:
+            raise ValueError("output_weights (return_hidden) needs tie_output=True: the "
+                             "untied head has its own kernel")
+        bias = (nn.meta.unbox(self.get_variable("params", "logits_bias")) if cfg.output_bias
+                else jnp.zeros((cfg.vocab_size,), cfg.param_dtype))
+        return self.embed.embedding, bias
 
     def _decode_positions(self, tokens, positions):
         """Absolute positions while decoding: given, or counted in the cache."""
@@ -209,7 +235,8 @@ class EncoderDecoder(nn.Module):
         return self.encoder(inputs, seg, pos, deterministic=deterministic)
 
     def decode(self, encoded, inputs_segmentation, decoder_tokens, targets_segmentation=None,
-               targets_position=None, *, deterministic: bool = True, decode: bool = False):
+               targets_position=None, *, deterministic: bool = True, decode: bool = False,
+               return_hidden: bool = False):
         """Decoder logits [B, T, V] for (already shifted) decoder tokens [B, T].
 
         With decode=True, `targets_segmentation` is an optional [B, S_max]
@@ -229,18 +256,28 @@ class EncoderDecoder(nn.Module):
                 q_segment_ids=seg, kv_segment_ids=inputs_segmentation,
             )
         return self.decoder(decoder_tokens, seg, pos, encoded=encoded, cross_mask=cross_mask,
-                            deterministic=deterministic, decode=decode)
+                            deterministic=deterministic, decode=decode,
+                            return_hidden=return_hidden)
 
     def __call__(self, inputs, targets, inputs_segmentation=None, targets_segmentation=None,
-                 inputs_position=None, targets_position=None, *, deterministic: bool = True):
-        """Teacher-forced logits [B, T, V] float32 for inputs [B, S], targets [B, T]."""
+                 inputs_position=None, targets_position=None, *, deterministic: bool = True,
+                 return_hidden: bool = False):
+        """Teacher-forced logits [B, T, V] float32 for inputs [B, S], targets [B, T].
+
+        return_hidden=True gives the final decoder states [B, T, D] instead,
+        for a loss that applies `output_weights()` itself.
+        """
         cfg = self.config
         in_seg, in_pos = _ids_defaults(cfg, inputs, inputs_segmentation, inputs_position)
         tgt_seg, tgt_pos = _ids_defaults(cfg, targets, targets_segmentation, targets_position)
         encoded = self.encode(inputs, in_seg, in_pos, deterministic=deterministic)
         decoder_tokens = shift_right(targets, cfg.bos_id, tgt_pos)
         return self.decode(encoded, in_seg, decoder_tokens, tgt_seg, tgt_pos,
-                           deterministic=deterministic)
+                           deterministic=deterministic, return_hidden=return_hidden)
+
+    def output_weights(self) -> tuple[Array, Array]:
+        """(table [V, D], bias [V]) of the tied output layer (Decoder.output_weights)."""
+        return self.decoder.output_weights()
 
 
 class DecoderOnly(nn.Module):
@@ -254,8 +291,8 @@ class DecoderOnly(nn.Module):
         self.decoder = Decoder(cfg, self.embed, cfg.num_decoder_layers, cross_attention=False)
 
     def __call__(self, targets, targets_segmentation=None, targets_position=None, *,
-                 deterministic: bool = True, decode: bool = False):
-        """Logits [B, T, V] float32.
+                 deterministic: bool = True, decode: bool = False, return_hidden: bool = False):
+        """Logits [B, T, V] float32 (return_hidden=True: the final states [B, T, D]).
 
         Training (decode=False): predicts targets[t] from targets[<t] (the input
         is shifted right with BOS). Decoding (decode=True): `targets` are the
@@ -268,7 +305,12 @@ class DecoderOnly(nn.Module):
                                 deterministic=deterministic, decode=True)
         seg, pos = _ids_defaults(cfg, targets, targets_segmentation, targets_position)
         tokens = shift_right(targets, cfg.bos_id, pos)
-        return self.decoder(tokens, seg, pos, deterministic=deterministic)
+        return self.decoder(tokens, seg, pos, deterministic=deterministic,
+                            return_hidden=return_hidden)
+
+    def output_weights(self) -> tuple[Array, Array]:
+        """(table [V, D], bias [V]) of the tied output layer (Decoder.output_weights)."""
+        return self.decoder.output_weights()
 
 
 class EncoderOnly(nn.Module):

@@ -14,6 +14,7 @@ _EXPORTS = {
     "Checkpointer": "transformer_zoo.train.checkpoint",
     "average_checkpoints": "transformer_zoo.train.checkpoint",
     "average_params": "transformer_zoo.train.checkpoint",
+    "chunked_output_loss": "transformer_zoo.train.chunked_loss",
     "NonFiniteLossError": "transformer_zoo.train.loop",
     "train_and_evaluate": "transformer_zoo.train.loop",
     "label_smoothed_cross_entropy": "transformer_zoo.train.losses",

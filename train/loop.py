@@ -438,7 +438,7 @@ def _train(run: Run, state: TrainState, train_iter, writer: MetricWriter):
     cfg = run.config.train
     plan = run.plan
     step_fn = make_train_step(run.model, run.task, cfg.label_smoothing, run.schedule,
-                              axis_name=plan.axis_name)
+                              axis_name=plan.axis_name, loss_chunks=cfg.loss_chunks)
     train_step = plan.jit_train_step(step_fn, run.state_shardings)
     eval_step = plan.jit_eval_step(make_eval_step(run.model, run.task, cfg.label_smoothing))
     start = int(state.step)

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from transformer_zoo.train.chunked_loss import chunked_output_loss
 from transformer_zoo.train.losses import label_smoothed_cross_entropy, token_metrics
 from transformer_zoo.train.state import TrainState
 from transformer_zoo.train.tasks import Family, Task, get_task
@@ -16,7 +17,8 @@ Array = Any
 
 
 def make_train_step(model, task: Task | Family | str, label_smoothing: float,
-                    schedule: Callable | None = None, axis_name: Any = None) -> Callable:
+                    schedule: Callable | None = None, axis_name: Any = None,
+                    loss_chunks: int = 0) -> Callable:
     """The (unjitted) train step for `model`.
 
     The loss is the label-smoothed cross entropy summed over target tokens and
@@ -32,14 +34,32 @@ def make_train_step(model, task: Task | Family | str, label_smoothing: float,
         token count, gradients and metric sums are psum'd over them, so the
         step equals the global one; the device index is folded into the
         dropout key so shards draw different masks.
+      loss_chunks: 0 = the loss on the model's logits. n >= 1: the tied output
+        layer and the loss in n pieces of the target length, never storing the
+        [B, T, V] logits (train/chunked_loss.py; same values, generating
+        families with tie_output only).
     """
     task = get_task(task)
+    _check_loss_chunks(model, task, loss_chunks)
 
     def loss_fn(params, batch, rng):
+        if loss_chunks:
+            return _chunked_loss(params, batch, rng)
         logits, targets, weights = task.forward(model, params, batch, deterministic=False,
                                                 rngs={"dropout": rng})
         loss_sum, count = label_smoothed_cross_entropy(logits, targets, weights, label_smoothing)
         metrics = token_metrics(jax.lax.stop_gradient(logits), targets, weights, label_smoothing)
+        return _mean(loss_sum, count, metrics)
+
+    def _chunked_loss(params, batch, rng):
+        hidden, (table, bias), targets, weights = task.forward_hidden(
+            model, params, batch, deterministic=False, rngs={"dropout": rng})
+        loss_sum, metrics = chunked_output_loss(hidden, table, bias, targets, weights,
+                                                label_smoothing, loss_chunks,
+                                                model.config.kernels)
+        return _mean(loss_sum, metrics["tokens"], metrics)
+
+    def _mean(loss_sum, count, metrics):
         if axis_name is not None:  # divide by the global count: psum(grads) is then the mean
             count = jax.lax.psum(count, axis_name)
         return loss_sum / jnp.maximum(count, 1.0), metrics
@@ -59,6 +79,19 @@ def make_train_step(model, task: Task | Family | str, label_smoothing: float,
         return new_state, metrics
 
     return train_step
+
+
+def _check_loss_chunks(model, task: Task, loss_chunks: int) -> None:
+    if loss_chunks < 0:
+        raise ValueError(f"loss_chunks must be >= 0 (0 = off), got {loss_chunks}")
+    if not loss_chunks:
+        return
+    if not task.generates:
+        raise ValueError(f"loss_chunks={loss_chunks} needs a generating family (encoder_decoder "
+                         f"or decoder_only), got {task.family}")
+    if not model.config.tie_output:
+        raise ValueError(f"loss_chunks={loss_chunks} needs tie_output=True (the chunked loss "
+                         "reads the tied embedding table)")
 
 
 def make_eval_step(model, task: Task | Family | str, label_smoothing: float) -> Callable:

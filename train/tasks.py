@@ -76,6 +76,15 @@ class Task:
                              deterministic=deterministic, rngs=rngs)
         return logits, batch["targets"], _weights(batch, "targets")
 
+    def forward_hidden(self, model, params, batch, *, deterministic: bool, rngs=None):
+        """(hidden [B, T, D], (table [V, D], bias [V]), targets [B, T], weights [B, T]):
+        `forward` stopped before the tied output layer, for train/chunked_loss.py."""
+        variables = {"params": params}
+        hidden = model.apply(variables, **self.model_inputs(batch), deterministic=deterministic,
+                             rngs=rngs, return_hidden=True)
+        head = model.apply(variables, method="output_weights")
+        return hidden, head, batch["targets"], _weights(batch, "targets")
+
 
 @dataclasses.dataclass(frozen=True)
 class EncoderDecoderTask(Task):
@@ -108,6 +117,10 @@ class EncoderOnlyTask(Task):
         if labels.ndim == 1:  # sequence classification
             return out["class_logits"][:, None], labels[:, None], jnp.ones(labels[:, None].shape)
         return out["token_logits"], labels, _weights(batch, "inputs")
+
+    def forward_hidden(self, model, params, batch, *, deterministic: bool, rngs=None):
+        raise ValueError("train.loss_chunks needs a generating family (encoder_decoder or "
+                         "decoder_only); encoder_only's heads are not the tied table")
 
 
 TASKS: dict[Family, Task] = {t.family: t for t in (EncoderDecoderTask(), DecoderOnlyTask(),

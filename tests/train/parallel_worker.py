@@ -55,7 +55,7 @@ def _losses(cfg, workdir, mesh_shape, step_kind, devices) -> tuple[list[float], 
     plan = parallel.Plan.from_config(cfg.parallel, devices)
     state, shardings = init_state(model, cfg.family, tx, cfg.seed, plan)
     step_fn = make_train_step(model, cfg.family, cfg.train.label_smoothing, schedule,
-                              axis_name=plan.axis_name)
+                              axis_name=plan.axis_name, loss_chunks=cfg.train.loss_chunks)
     train_step = plan.jit_train_step(step_fn, shardings)
     it, losses = iter(inp.train), []
     placed = plan.place_state(state)
@@ -88,6 +88,12 @@ def equivalence(workdir: str) -> dict:
     # jit variants draw dropout by global position: equal to one device with dropout on.
     result["dropout_one"] = _losses(config(0.1), workdir, (1, 1, 1), "jit", one)[0]
     result["dropout_dp2_tp4"] = _losses(config(0.1), workdir, (2, 1, 4), "jit", None)[0]
+    # The chunked output layer + loss (train.loss_chunks) under a sharded jit and shard_map.
+    for name in ("dp2_tp4", "shard_map8"):
+        chunked = config()
+        chunked.train.loss_chunks = 4
+        shape, step = VARIANTS[name]
+        result["chunked_" + name] = _losses(chunked, workdir, shape, step, None)[0]
     return {"losses": result, "shardings": reports}
 
 

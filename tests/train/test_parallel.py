@@ -123,6 +123,12 @@ def test_every_mesh_and_step_variant_gives_the_single_device_losses(equivalence)
         np.testing.assert_allclose(losses[name], one, rtol=1e-5, err_msg=name)
 
 
+def test_the_chunked_loss_sharded_gives_the_single_device_losses(equivalence):
+    losses = equivalence["losses"]
+    for name in ("chunked_dp2_tp4", "chunked_shard_map8"):
+        np.testing.assert_allclose(losses[name], losses["one"], rtol=1e-5, err_msg=name)
+
+
 def test_jit_variants_draw_the_single_device_dropout(equivalence):
     losses = equivalence["losses"]
     np.testing.assert_allclose(losses["dropout_dp2_tp4"], losses["dropout_one"], rtol=1e-5)
