@@ -34,13 +34,6 @@ Array = Any
 METRICS = ("loss_sum", "nll_sum", "correct_sum", "tokens")
 
 
-def check_chunks(length: int, num_chunks: int) -> None:
-    """ValueError unless `num_chunks` >= 1 divides the target length."""
-    if num_chunks < 1 or length % num_chunks:
-        raise ValueError(f"the loss's num_chunks must be >= 1 and divide the target length "
-                         f"{length}; got {num_chunks}")
-
-
 def chunked_output_loss(hidden: Array, table: Array, bias: Array, targets: Array,
                         weights: Array, alpha: float, num_chunks: int,
                         kernels: Kernels = Kernels.PORTABLE) -> tuple[Array, dict[str, Array]]:
@@ -53,7 +46,8 @@ def chunked_output_loss(hidden: Array, table: Array, bias: Array, targets: Array
       targets: [B, T] int ids.
       weights: [B, T] 1.0 on real tokens, 0.0 on padding.
       alpha: label smoothing (0 = plain cross entropy).
-      num_chunks: pieces of the length T (must divide it); 1 = one piece.
+      num_chunks: pieces of the length T (>= 1); T is padded with weight-0
+        tokens to a multiple of it, so any T (e.g. a bucket's) works.
       kernels: Kernels.CPU forms the table's gradient in the CPU layer's
         order (models/cpu_kernels.py); the values are the same.
 
@@ -68,7 +62,12 @@ def chunked_output_loss(hidden: Array, table: Array, bias: Array, targets: Array
     if table.shape != (bias.shape[0], hidden.shape[-1]):
         raise ValueError(f"table {table.shape} must be [V, D] for bias {bias.shape} and "
                          f"hidden {hidden.shape}")
-    check_chunks(targets.shape[1], num_chunks)
+    if num_chunks < 1:
+        raise ValueError(f"the loss's num_chunks must be >= 1, got {num_chunks}")
+    pad = -targets.shape[1] % num_chunks
+    if pad:  # weight-0 tokens: no loss, no gradient; autodiff of pad drops their rows
+        hidden, targets, weights = (jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+                                    for a in (hidden, targets, weights))
     metrics = _chunked(hidden, table, bias, targets, weights.astype(jnp.float32),
                        float(alpha), int(num_chunks), Kernels(kernels))
     return metrics["loss_sum"], jax.lax.stop_gradient(metrics)
