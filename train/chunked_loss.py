@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from transformer_zoo.models import cpu_kernels
 from transformer_zoo.models.variants import Kernels
+from transformer_zoo.train.losses import smoothed_one_hot, smoothed_terms
 
 Array = Any
 
@@ -94,29 +95,22 @@ def _from_chunks(a: Array) -> Array:
 def _forward(hidden, table, bias, targets, weights, alpha, num_chunks, kernels):
     vocab = table.shape[0]
     table32, bias32 = table.astype(jnp.float32), bias.astype(jnp.float32)
-    low = alpha / vocab
 
     def piece(carry, xs):
         sums, d_table_t, d_bias = carry
         x, y, w = xs  # [B, Tc, D], [B, Tc], [B, Tc]
         x = x.astype(jnp.float32)
         logits = jnp.einsum("btd,vd->btv", x, table32) + bias32
-        top = jax.lax.stop_gradient(logits.max(-1))
-        exp = jnp.exp(logits - top[..., None])
-        total = exp.sum(-1)
-        lse = jnp.log(total) + top
-        target_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
-        loss = lse - (1.0 - alpha) * target_logit - low * logits.sum(-1)
-        nll = lse - target_logit
-        correct = (target_logit >= top).astype(jnp.float32)
-        sums = {"loss_sum": sums["loss_sum"] + (loss * w).sum(),
+        terms = smoothed_terms(logits, y, alpha)
+        nll = terms.lse - terms.target_logit
+        correct = (terms.target_logit >= terms.top).astype(jnp.float32)
+        sums = {"loss_sum": sums["loss_sum"] + (terms.loss * w).sum(),
                 "nll_sum": sums["nll_sum"] + (nll * w).sum(),
                 "correct_sum": sums["correct_sum"] + (correct * w).sum(),
                 "tokens": sums["tokens"] + w.sum()}
         # d(sum_w loss)/d logits = w * (softmax - smoothed one-hot).
-        classes = jax.lax.broadcasted_iota(y.dtype, logits.shape, logits.ndim - 1)
-        smoothed = jnp.where(classes == y[..., None], 1.0 - alpha + low, low)
-        g = (exp / total[..., None] - smoothed) * w[..., None]
+        probs = terms.shifted_exp / terms.total[..., None]
+        g = (probs - smoothed_one_hot(y, vocab, alpha)) * w[..., None]
         dx = jnp.einsum("btv,vd->btd", g, table32)
         rows, g_rows = x.reshape(-1, x.shape[-1]), g.reshape(-1, vocab)
         return (sums, d_table_t + _rows_t_dot(rows, g_rows, kernels),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,24 +60,59 @@ def smoothed_token_loss(logits: Array, targets: Array, alpha: float) -> Array:
     return _smoothed_fwd(logits, targets, alpha)[0]
 
 
-def _smoothed_fwd(logits, targets, alpha):
+class SmoothedTerms(NamedTuple):
+    """Per-token pieces of the smoothed loss, each [...] for [..., V] logits."""
+
+    loss: Array  # -sum_k y~_k log p_k
+    lse: Array  # log sum_k exp(logits_k)
+    target_logit: Array  # logits_y
+    top: Array  # max_k logits_k (no gradient)
+    shifted_exp: Array  # [..., V] exp(logits - top), kept for softmax = shifted_exp / total
+    total: Array  # sum_k shifted_exp_k
+
+
+def smoothed_terms(logits: Array, targets: Array, alpha: float) -> SmoothedTerms:
+    """The smoothed loss and what its gradient and the metrics reuse.
+
+    Shared by `smoothed_token_loss` and train/chunked_loss.py; XLA drops the
+    pieces a caller does not use.
+
+    Args:
+      logits: [..., V] float32.
+      targets: [...] int ids.
+      alpha: label smoothing (0 = plain cross entropy).
+    """
     num_classes = logits.shape[-1]
-    top = jax.lax.stop_gradient(logits.max(-1, keepdims=True))
-    lse = jnp.log(jnp.exp(logits - top).sum(-1)) + top[..., 0]
+    top = jax.lax.stop_gradient(logits.max(-1))
+    shifted_exp = jnp.exp(logits - top[..., None])
+    total = shifted_exp.sum(-1)
+    lse = jnp.log(total) + top
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     # -(1-a) log p_y - (a/K) sum_k log p_k, with log p = logits - lse.
     loss = lse - (1.0 - alpha) * target_logit - (alpha / num_classes) * logits.sum(-1)
-    return loss, (logits, lse, targets)
+    return SmoothedTerms(loss, lse, target_logit, top, shifted_exp, total)
+
+
+def smoothed_one_hot(targets: Array, num_classes: int, alpha: float) -> Array:
+    """y~ = (1 - alpha) * onehot(targets) + alpha / K: [...] -> [..., K] float32.
+
+    Built from an iota comparison in one elementwise pass (no scatter).
+    """
+    shape = (*targets.shape, num_classes)
+    classes = jax.lax.broadcasted_iota(targets.dtype, shape, targets.ndim)
+    low = alpha / num_classes
+    return jnp.where(classes == targets[..., None], 1.0 - alpha + low, low)
+
+
+def _smoothed_fwd(logits, targets, alpha):
+    terms = smoothed_terms(logits, targets, alpha)
+    return terms.loss, (logits, terms.lse, targets)
 
 
 def _smoothed_bwd(alpha, residuals, g):
     logits, lse, targets = residuals
-    num_classes = logits.shape[-1]
     probs = jnp.exp(logits - lse[..., None])
-    classes = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
-    low = alpha / num_classes
-    smoothed = jnp.where(classes == targets[..., None], 1.0 - alpha + low, low)
-    return (probs - smoothed) * g[..., None], None
+    return (probs - smoothed_one_hot(targets, logits.shape[-1], alpha)) * g[..., None], None
 
 
 smoothed_token_loss.defvjp(_smoothed_fwd, _smoothed_bwd)

@@ -10,6 +10,8 @@ from ml_collections import ConfigDict
 
 from transformer_zoo.train.losses import (
     label_smoothed_cross_entropy,
+    smoothed_one_hot,
+    smoothed_terms,
     smoothing_floor,
     summarize,
     token_metrics,
@@ -86,6 +88,28 @@ def test_hand_written_gradient_equals_autodiff_of_log_softmax(alpha):
                                rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(jax.jit(jax.grad(ours))(logits), jax.grad(reference)(logits),
                                rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1])
+def test_shared_smoothed_terms_equal_float64_numpy(alpha):
+    # The pieces both the usual loss and train/chunked_loss.py build on.
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(2, 4, 11)) * 4
+    targets = rng.integers(0, 11, (2, 4))
+    terms = smoothed_terms(jnp.asarray(logits, jnp.float32), jnp.asarray(targets), alpha)
+    lse = np.log(np.exp(logits).sum(-1))
+    logp = logits - lse[..., None]
+    one_hot = np.eye(11)[targets]
+    smoothed = (1 - alpha) * one_hot + alpha / 11
+    np.testing.assert_allclose(terms.loss, -(smoothed * logp).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(terms.lse, lse, rtol=1e-6)
+    np.testing.assert_allclose(terms.target_logit, (logits * one_hot).sum(-1), rtol=1e-6)
+    np.testing.assert_allclose(terms.top, logits.max(-1), rtol=1e-6)
+    np.testing.assert_allclose(terms.shifted_exp / terms.total[..., None], np.exp(logp),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(smoothed_one_hot(jnp.asarray(targets), 11, alpha), smoothed,
+                               rtol=1e-6)
+    assert smoothed_one_hot(jnp.asarray(targets), 11, alpha).shape == (2, 4, 11)
 
 
 def test_smoothing_floor_is_the_minimum():
