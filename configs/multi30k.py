@@ -5,9 +5,9 @@
 One command trains (59 min 20 s from start to the test score on a 2-core Intel Xeon
 at ~580 ms/step with the loss on stored logits, `train.loss_chunks=0`; the chunked
 loss it now uses makes a step 1.11-1.24x faster on an AMD EPYC Zen 3), checkpoints
-every 100 steps, decodes val (beam 6, alpha 1.4) with
-the final checkpoint and decodes test2016 with it: sacreBLEU / chrF in
-WORKDIR/final_metrics.json, hypotheses in WORKDIR/test.hyp.
+every 100 steps, decodes val (beam 6, alpha 1.4) with the final checkpoint and
+decodes test2016 with it: sacreBLEU / chrF in WORKDIR/final_metrics.json, hypotheses
+in WORKDIR/test.hyp.
 
 Data: ../shared/data/multi30k (train/val/test2016 .en/.de); override with
 --config.data.train_source=... etc.
