@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
-from transformer_zoo.data import BatchMode, SpmModelType
+from transformer_zoo.data import BatchMode, OutputVocab, SpmModelType
 from transformer_zoo.models import Kernels, ModelConfig
 from transformer_zoo.train.checkpoint import BestMode
 from transformer_zoo.train.schedules import Schedule
@@ -174,11 +174,19 @@ def _kind(hint) -> type:
     return str if isinstance(kind, type) and issubclass(kind, enum.Enum) else kind
 
 
+# ModelConfig fields a run derives from its data, never set in the run config:
+# output_ids are the pieces of the training targets (data.output_vocab chooses).
+SET_BY_THE_DATA = frozenset({"output_ids"})
+
+
 def model_fields() -> dict[str, Field]:
-    """A Field per ModelConfig field: its default, its docstring line, its type."""
+    """A Field per ModelConfig field (but SET_BY_THE_DATA): its default, its docstring
+    line, its type."""
     docs, hints = attribute_docs(ModelConfig), typing.get_type_hints(ModelConfig)
     out = {}
     for f in dataclasses.fields(ModelConfig):
+        if f.name in SET_BY_THE_DATA:
+            continue
         doc, default = docs.get(f.name, ""), _config_value(f.default)
         if f.name in CHOSEN_BY_THE_RUN:
             doc, default = f"{doc} {CHOSEN_BY_THE_RUN[f.name]}", None
@@ -251,6 +259,12 @@ _SENTENCEPIECE = {
                          "merge skipped with this probability; spm_model_type bpe only; "
                          "0 = off", at_least=0.0, below=1.0),
 }
+_OUTPUT_VOCAB = {
+    "output_vocab": Field("all", "pieces the decoder's output layer scores: all (the joint "
+                          "vocabulary) | target_side (those of the training targets: a "
+                          "smaller output layer; encoder_decoder only)",
+                          choices=tuple(OutputVocab)),
+}
 _SYNTHETIC = {
     "num_train_examples": Field(100_000, "examples per epoch (sampled)", at_least=1),
     "num_eval_examples": Field(1000, "held-out examples (disjoint from training)", at_least=1),
@@ -278,7 +292,7 @@ DATA_TASKS: dict[str, dict[str, Field]] = {
                     num_symbols=Field(10, "letters in the alphabet", at_least=2)),
     # data.parallel_files: one sentence per line, source and target files aligned.
     "parallel_files": _task(
-        "parallel_files", _SENTENCEPIECE, _BATCHES, _TARGETS,
+        "parallel_files", _SENTENCEPIECE, _OUTPUT_VOCAB, _BATCHES, _TARGETS,
         train_source=Field(None, "training source sentences, one per line", str, required=True),
         train_target=Field(None, "training target sentences, aligned", str, required=True),
         eval_source=Field(None, "held-out source (selection only)", str, required=True),
@@ -287,7 +301,7 @@ DATA_TASKS: dict[str, dict[str, Field]] = {
         test_target=Field(None, "test target", str)),
     # data.tfds_translation: a tfds translate dataset (ArrayRecord, no TensorFlow).
     "tfds_translation": _task(
-        "tfds_translation", _TFDS, _SENTENCEPIECE, _BATCHES, _TARGETS,
+        "tfds_translation", _TFDS, _SENTENCEPIECE, _OUTPUT_VOCAB, _BATCHES, _TARGETS,
         source_key=Field(None, "source language feature; None = the builder's first", str),
         target_key=Field(None, "target language feature; None = the builder's second", str),
         eval_split=Field("validation", "held-out split (selection only)"),
@@ -428,13 +442,20 @@ def _check_loss_chunks(chunks: int, family: str | None, model: Mapping) -> None:
                          "chunked loss reads the tied embedding table)")
 
 
+def _check_output_vocab(choice: str | None, family: str | None) -> None:
+    """The target side's pieces are the outputs of a decoder that reads a source."""
+    if choice not in (None, OutputVocab.ALL) and family != "encoder_decoder":
+        raise ValueError(f"data.output_vocab={choice!r} needs family='encoder_decoder' (the "
+                         f"pieces of the targets, apart from the source's), got {family!r}")
+
+
 def check(config) -> None:
     """ValueError on an unknown key or a bad value in model, data, decode or train.
 
     Called before a run does any work (no tokenizer, no data, nothing written).
     """
     model = check_model(config.model)
-    data_fields(config.data)
+    _check_output_vocab(data_fields(config.data).get("output_vocab"), config.get("family"))
     _check_long_eval(config.data.get("long_eval_length"), model)
     checked(config.decode, DECODE_FIELDS, "decode")
     train = checked(config.train, TRAIN_FIELDS, "train")

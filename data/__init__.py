@@ -17,6 +17,7 @@ Typical use (the embedded default task)::
 
 from transformer_zoo.data.bpe_dropout import BpeDropout
 from transformer_zoo.data.hf_tokenizers import HFTokenizer, MarianTokenizer, load_hf_tokenizer
+from transformer_zoo.data.output_vocab import OutputVocab, TargetVocabulary
 from transformer_zoo.data.packing import pack, pad, unpack
 from transformer_zoo.data.pipeline import Batching, BatchMode, lm_windows, make_batches, tokenize
 from transformer_zoo.data.sources import (
@@ -67,8 +68,10 @@ __all__ = [
     "CharTokenizer",
     "HFTokenizer",
     "MarianTokenizer",
+    "OutputVocab",
     "SentencePieceTokenizer",
     "SpmModelType",
+    "TargetVocabulary",
     "Tokenizer",
     "WordCharTokenizer",
     "lm_windows",

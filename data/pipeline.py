@@ -38,6 +38,7 @@ import grain
 import numpy as np
 
 from transformer_zoo.data.bpe_dropout import BpeDropout
+from transformer_zoo.data.output_vocab import TargetVocabulary
 from transformer_zoo.data.packing import SEGMENTED, Batch, RowPacker, example_length, pad
 from transformer_zoo.data.tokenizers import Tokenizer
 
@@ -139,8 +140,9 @@ class Batching:
 class _Tokenize:
     """Text example -> id example: segmented features get ids + [tokenizer.eos_id]."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, target_vocab: TargetVocabulary | None = None):
         self.tokenizer = tokenizer
+        self.target_vocab = target_vocab
 
     def __call__(self, example: Mapping[str, Any]) -> dict[str, np.ndarray | int]:
         return self._ids(example, self.tokenizer.encode)
@@ -150,6 +152,8 @@ class _Tokenize:
         for key, value in example.items():
             if key in SEGMENTED:
                 ids = encode(value) if isinstance(value, str) else list(value)
+                if key == "targets" and self.target_vocab is not None:
+                    ids = self.target_vocab.restrict(ids)
                 out[key] = np.asarray([*ids, self.tokenizer.eos_id], np.int32)
             elif key == "labels" and np.ndim(value) == 1:
                 # Token labels: label 0 for the appended EOS keeps them aligned.
@@ -164,8 +168,9 @@ class _SampledTokenize(_Tokenize):
     position `index` depends only on (seed, shard, index), so a resumed iterator
     sees the same samples and every epoch new ones."""
 
-    def __init__(self, tokenizer: Tokenizer, rate: float, seed: int, shard: int):
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, rate: float, seed: int, shard: int,
+                 target_vocab: TargetVocabulary | None = None):
+        super().__init__(tokenizer, target_vocab)
         self.sampler = BpeDropout(tokenizer, rate)
         self.key = f"bpe-dropout/{seed}/{shard}"
 
@@ -182,9 +187,11 @@ class _FitsLengths:
         return all(example_length(example, f) <= n for f, n in self.lengths.items())
 
 
-def tokenize(examples: grain.MapDataset, tokenizer: Tokenizer) -> grain.MapDataset:
-    """Maps text examples to id examples (``encode`` + ``tokenizer.eos_id``) lazily."""
-    return examples.map(_Tokenize(tokenizer))
+def tokenize(examples: grain.MapDataset, tokenizer: Tokenizer,
+             target_vocab: TargetVocabulary | None = None) -> grain.MapDataset:
+    """Maps text examples to id examples (``encode`` + ``tokenizer.eos_id``) lazily;
+    with `target_vocab`, targets are spelt with its pieces (data/output_vocab.py)."""
+    return examples.map(_Tokenize(tokenizer, target_vocab))
 
 
 def _process_shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int]:
@@ -325,6 +332,7 @@ def make_batches(
     shard_count: int | None = None,
     prefetch: int = 0,
     bpe_dropout: float = 0.0,
+    target_vocab: TargetVocabulary | None = None,
 ) -> grain.IterDataset:
     """Batches of token ids from text (or id) examples.
 
@@ -346,6 +354,9 @@ def make_batches(
         which each merge is dropped (data/bpe_dropout.py); example i of the
         stream is segmented from (seed, shard_index, i). 0 = the model's own
         segmentation.
+      target_vocab: with a ``tokenizer``, spell ``targets`` with this target
+        side's pieces only (``data.output_vocab='target_side'``; the model's
+        ``output_ids`` are its ids). None = the tokenizer's own ids.
 
     Returns:
       An IterDataset of batch dicts (see packing.py); its iterators are
@@ -355,6 +366,9 @@ def make_batches(
         raise TypeError(f"examples must be a grain.MapDataset, got {type(examples).__name__}")
     if len(examples) == 0:
         raise ValueError("make_batches: examples is empty")
+    if target_vocab is not None and tokenizer is None:
+        raise ValueError("make_batches: target_vocab spells tokenized targets; it needs a "
+                         "tokenizer (the examples are ids already)")
     shard_index, shard_count = _process_shard(shard_index, shard_count)
     features = [f for f in SEGMENTED if f in examples[0]]
     lengths = batching.max_lengths(features)
@@ -370,9 +384,10 @@ def make_batches(
             raise ValueError(f"bpe_dropout={bpe_dropout} samples training text: it needs "
                              f"train=True and a tokenizer (got train={train}, tokenizer="
                              f"{type(tokenizer).__name__})")
-        ds = ds.map_with_index(_SampledTokenize(tokenizer, bpe_dropout, seed, shard_index))
+        ds = ds.map_with_index(_SampledTokenize(tokenizer, bpe_dropout, seed, shard_index,
+                                                target_vocab))
     elif tokenizer is not None:
-        ds = tokenize(ds, tokenizer)
+        ds = tokenize(ds, tokenizer, target_vocab)
     ds = ds.filter(_FitsLengths(lengths))
     batches = _BatchDataset(ds, batching, lengths, epoch)
     if prefetch:

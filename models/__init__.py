@@ -56,7 +56,14 @@ from transformer_zoo.models.positional import (
     sinusoidal_encoding,
 )
 from transformer_zoo.models.projection import Projection
-from transformer_zoo.models.transformer import DecoderOnly, EncoderDecoder, EncoderOnly, shift_right
+from transformer_zoo.models.transformer import (
+    OUTPUT_MASK_VALUE,
+    DecoderOnly,
+    EncoderDecoder,
+    EncoderOnly,
+    restrict_logits,
+    shift_right,
+)
 from transformer_zoo.models.variants import (
     AttentionImpl,
     FfnActivation,
@@ -69,6 +76,7 @@ from transformer_zoo.models.variants import (
 )
 
 __all__ = [
+    "OUTPUT_MASK_VALUE",
     "PRESETS",
     "AttentionImpl",
     "AttentionMask",
@@ -115,6 +123,7 @@ __all__ = [
     "padding_mask",
     "register_attention_impl",
     "segment_mask",
+    "restrict_logits",
     "shift_right",
     "sinusoidal_encoding",
     "to_nnx",

@@ -93,6 +93,11 @@ class ModelConfig:
         FFN activation and a norm (BERT's masked-LM prediction head).
       output_bias: a learned bias over the vocabulary added to the logits
         (Marian's final_logits_bias, BERT's MLM bias).
+      output_ids: the only ids the decoder's output scores, ascending (e.g. the
+        target side's pieces of a joint vocabulary, data/output_vocab.py); the
+        logits of every other id are OUTPUT_MASK_VALUE, so their probability
+        is 0, and the training loss is a softmax over these alone (train/step.py).
+        None = all of vocab_size.
       pad_id: padding id (masks are built from it).
       bos_id: the id the decoder input starts with (shift right; Marian and
         T5 start with their pad id).
@@ -138,6 +143,7 @@ class ModelConfig:
     pooler: bool = False
     mlm_transform: bool = False
     output_bias: bool = False
+    output_ids: tuple[int, ...] | None = None
     pad_id: int = 0
     bos_id: int = 2
     eos_id: int = 1
@@ -152,11 +158,18 @@ class ModelConfig:
             object.__setattr__(self, name, parse(kind, getattr(self, name), f"ModelConfig.{name}"))
         object.__setattr__(self, "attention_impl", parse_attention_impl(
             self.attention_impl, "ModelConfig.attention_impl"))
+        if self.output_ids is not None:  # a saved config holds a JSON list; hashable here
+            object.__setattr__(self, "output_ids", tuple(int(i) for i in self.output_ids))
         _validate(self)
 
     @property
     def resolved_input_vocab_size(self) -> int:
         return self.vocab_size if self.input_vocab_size is None else self.input_vocab_size
+
+    @property
+    def output_size(self) -> int:
+        """Classes of the decoder's softmax: len(output_ids), else vocab_size."""
+        return self.vocab_size if self.output_ids is None else len(self.output_ids)
 
     @property
     def resolved_num_kv_heads(self) -> int:
@@ -204,11 +217,27 @@ def _validate(cfg: ModelConfig) -> None:
         raise ValueError(f"ModelConfig.attention_window must be >= 1, got {cfg.attention_window}")
     if cfg.attention_impl == AttentionImpl.LOCAL and cfg.attention_window is None:
         raise ValueError("ModelConfig.attention_impl='local' needs attention_window")
+    _validate_output_ids(cfg)
     if cfg.share_embeddings and cfg.resolved_input_vocab_size != cfg.vocab_size:
         raise ValueError(
             f"share_embeddings=True needs input_vocab_size ({cfg.input_vocab_size}) == "
             f"vocab_size ({cfg.vocab_size})"
         )
+
+
+def _validate_output_ids(cfg: ModelConfig) -> None:
+    ids = cfg.output_ids
+    if ids is None:
+        return
+    if not ids or any(b <= a for a, b in zip(ids, ids[1:], strict=False)):
+        raise ValueError("ModelConfig.output_ids must be non-empty, ascending and distinct, got "
+                         f"{len(ids)} ids starting {list(ids[:5])}")
+    if ids[0] < 0 or ids[-1] >= cfg.vocab_size:
+        raise ValueError(f"ModelConfig.output_ids must lie in [0, vocab_size={cfg.vocab_size}), "
+                         f"got {ids[0]}..{ids[-1]}")
+    if cfg.eos_id not in ids:
+        raise ValueError(f"ModelConfig.output_ids must hold eos_id={cfg.eos_id}, or decoding "
+                         "could never end")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -12,10 +12,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_zoo.models import axes
 from transformer_zoo.models.blocks import DecoderBlock, EncoderBlock
 from transformer_zoo.models.config import ModelConfig
+from transformer_zoo.models.decoding import NEG_INF
 from transformer_zoo.models.dropout import Dropout
 from transformer_zoo.models.embedding import Embed
 from transformer_zoo.models.masks import AttentionMask
@@ -25,6 +27,10 @@ from transformer_zoo.models.positional import LearnedPositionalEmbedding, sinuso
 from transformer_zoo.models.variants import FfnActivation, NormPosition, Pooling, PositionEncoding
 
 Array = Any
+
+# The logit of an id outside ModelConfig.output_ids: finite (no inf - inf = NaN in a
+# softmax), exp() of it is 0 in float32, and decoding takes it for "no hypothesis".
+OUTPUT_MASK_VALUE = NEG_INF
 
 
 def default_segmentation(ids: Array, pad_id: int) -> Array:
@@ -88,6 +94,15 @@ def _output_bias(cfg: ModelConfig, module: nn.Module, logits: Array, vocab: int)
     if not cfg.output_bias:
         return logits
     return logits + _bias_param(cfg, module, vocab).astype(jnp.float32)
+
+
+def restrict_logits(cfg: ModelConfig, logits: Array) -> Array:
+    """logits [..., V] with every id outside config.output_ids at OUTPUT_MASK_VALUE."""
+    if cfg.output_ids is None:
+        return logits
+    allowed = np.zeros(cfg.vocab_size, bool)
+    allowed[list(cfg.output_ids)] = True
+    return jnp.where(allowed, logits, jnp.asarray(OUTPUT_MASK_VALUE, logits.dtype))
 
 
 def _bias_param(cfg: ModelConfig, module: nn.Module, vocab: int) -> Array:
@@ -168,10 +183,13 @@ class Decoder(nn.Module):
                 _bias_param(cfg, self, cfg.vocab_size)
             return x
         if cfg.tie_output:
-            return _output_bias(cfg, self, self.embed.attend(x, decode=decode), cfg.vocab_size)
-        head = dense(cfg.vocab_size, axes.EMBED, axes.VOCAB, use_bias=False, kernels=cfg.kernels,
-                     dtype=jnp.float32, param_dtype=cfg.param_dtype, name="logits")
-        return _output_bias(cfg, self, head(x.astype(jnp.float32)), cfg.vocab_size)
+            logits = self.embed.attend(x, decode=decode)
+        else:
+            head = dense(cfg.vocab_size, axes.EMBED, axes.VOCAB, use_bias=False,
+                         kernels=cfg.kernels, dtype=jnp.float32, param_dtype=cfg.param_dtype,
+                         name="logits")
+            logits = head(x.astype(jnp.float32))
+        return restrict_logits(cfg, _output_bias(cfg, self, logits, cfg.vocab_size))
 
     def output_weights(self) -> tuple[Array, Array]:
         """The tied output layer: (table [V, D], bias [V]; zeros without output_bias).

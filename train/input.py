@@ -41,6 +41,9 @@ class Input:
         test_target; never used for selection).
       long_eval_batches: None, or held-out batches of data.long_eval_length
         tokens per row, scored once at the end.
+      target_vocab: data.output_vocab='target_side': the training targets'
+        pieces (the model's output_ids), with which every target is spelt;
+        None = all of the tokenizer's.
     """
 
     tokenizer: Any
@@ -49,6 +52,12 @@ class Input:
     eval_examples: list[dict]
     test_examples: list[dict] = dataclasses.field(default_factory=list)
     long_eval_batches: Callable[[], Iterable[dict]] | None = None
+    target_vocab: data.TargetVocabulary | None = None
+
+    @property
+    def output_ids(self) -> tuple[int, ...] | None:
+        """The ids the decoder's output layer scores (None = all)."""
+        return None if self.target_vocab is None else self.target_vocab.ids
 
 
 def tokenizer_dir(workdir) -> Path:
@@ -113,17 +122,31 @@ def _batching(d, train: bool) -> data.Batching:
     return data.Batching(mode="bucket", batch_size=size, bucket_boundaries=single, **kw)
 
 
-def _seq2seq_input(d, seed: int, train_ds, eval_ds, tokenizer, num_decode: int) -> Input:
+def _seq2seq_input(d, seed: int, train_ds, eval_ds, tokenizer, num_decode: int,
+                   target_vocab: data.TargetVocabulary | None = None) -> Input:
     """Batches of a task of examples; the first `num_decode` held-out ones are decoded."""
     train = data.make_batches(train_ds, _batching(d, True), tokenizer=tokenizer, train=True,
-                              seed=seed, bpe_dropout=d.get("bpe_dropout", 0.0))
+                              seed=seed, bpe_dropout=d.get("bpe_dropout", 0.0),
+                              target_vocab=target_vocab)
     eval_ds = eval_ds[: d.max_eval_examples] if d.max_eval_examples else eval_ds
 
     def eval_batches():
-        return data.make_batches(eval_ds, _batching(d, False), tokenizer=tokenizer, train=False)
+        return data.make_batches(eval_ds, _batching(d, False), tokenizer=tokenizer, train=False,
+                                 target_vocab=target_vocab)
 
     n = min(num_decode, len(eval_ds))
-    return Input(tokenizer, train, eval_batches, _examples(eval_ds, n))
+    return Input(tokenizer, train, eval_batches, _examples(eval_ds, n), target_vocab=target_vocab)
+
+
+def _target_vocab(d, seed: int, train_ds, tokenizer) -> data.TargetVocabulary | None:
+    """data.output_vocab='target_side': the pieces of the training targets (of at most
+    data.spm_max_sentences of them, sampled as the tokenizer's text was), else None."""
+    if data.OutputVocab(d.output_vocab) == data.OutputVocab.ALL:
+        return None
+    n = len(train_ds)
+    rows = (range(n) if n <= d.spm_max_sentences else
+            np.sort(np.random.default_rng(seed).choice(n, d.spm_max_sentences, replace=False)))
+    return data.TargetVocabulary.build(tokenizer, (train_ds[int(i)]["targets"] for i in rows))
 
 
 def _examples(ds, n: int | None = None) -> list[dict]:
@@ -205,7 +228,8 @@ def _parallel_files(d, seed: int, workdir: Path) -> Input:
     evals = data.parallel_files(_require(d.eval_source, "data.eval_source"),
                                 _require(d.eval_target, "data.eval_target"))
     tokenizer = _sentencepiece(d, seed, workdir, train)
-    inp = _seq2seq_input(d, seed, train, evals, tokenizer, d.num_decode_examples)
+    inp = _seq2seq_input(d, seed, train, evals, tokenizer, d.num_decode_examples,
+                         _target_vocab(d, seed, train, tokenizer))
     if d.test_source:
         test = data.parallel_files(_require(d.test_source, "data.test_source"),
                                    _require(d.test_target, "data.test_target"))
@@ -218,7 +242,8 @@ def _tfds_translation(d, seed: int, workdir: Path) -> Input:
     train = data.tfds_translation(d.tfds_name, d.train_split, **kw)
     evals = data.tfds_translation(d.tfds_name, d.eval_split, **kw)
     tokenizer = _sentencepiece(d, seed, workdir, train)
-    inp = _seq2seq_input(d, seed, train, evals, tokenizer, d.num_decode_examples)
+    inp = _seq2seq_input(d, seed, train, evals, tokenizer, d.num_decode_examples,
+                         _target_vocab(d, seed, train, tokenizer))
     if d.test_split:
         test = data.tfds_translation(d.tfds_name, d.test_split, **kw)
         inp.test_examples = _examples(test)

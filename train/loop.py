@@ -113,7 +113,8 @@ def setup(config, workdir) -> Run:
     plan = parallel.Plan.from_config(config.parallel)
     ids = {name: getattr(inp.tokenizer, name) for name in ("pad_id", "bos_id", "eos_id")}
     model_config = model_config_from(config.model, inp.tokenizer.vocab_size,
-                                     kernels=plan.kernels, special_ids=ids)
+                                     kernels=plan.kernels, special_ids=ids,
+                                     output_ids=inp.output_ids)
     task = get_task(config.family)
     model = task.build(model_config)
     tx, schedule = make_optimizer(config.optim, model_config.d_model, config.train.num_steps)
@@ -202,7 +203,7 @@ def evaluate(run: Run, eval_step, params, batches=None) -> dict[str, float]:
         sums = out if sums is None else jax.tree.map(np.add, sums, out)
     if sums is None:
         return {}
-    return summarize(sums, run.config.train.label_smoothing, run.model_config.vocab_size)
+    return summarize(sums, run.config.train.label_smoothing, run.model_config.output_size)
 
 
 def _eval_batches(batches):
@@ -340,6 +341,14 @@ def command_line_overrides(config) -> dict:
     return config_flags.get_override_values(flags.FLAGS["config"]) if from_flags else {}
 
 
+def _output_vocab_line(model_config) -> list[str]:
+    if model_config.output_ids is None:
+        return []
+    return [f"output layer and loss over {model_config.output_size:,} of the "
+            f"{model_config.vocab_size:,} ids: the training targets' pieces "
+            "(data.output_vocab='target_side')"]
+
+
 def print_run_header(run: Run, overrides: dict) -> None:
     """Prints, once at the start: devices, mesh, the model summary and the config overrides.
 
@@ -359,6 +368,7 @@ def print_run_header(run: Run, overrides: dict) -> None:
              f"step {run.plan.step}",
              format_summary(run.model_config, run.task.family, seq_len=seq_len,
                             seq_lens=(seq_len,)),
+             *_output_vocab_line(run.model_config),
              "",
              "config overrides (command line): "
              + (", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items())) or "none")]
@@ -555,7 +565,7 @@ def _accumulate(sums, metrics):
 
 def _log_train(run, writer, progress, step, sums):
     sums = jax.device_get(sums)
-    scalars = summarize(sums, run.config.train.label_smoothing, run.model_config.vocab_size)
+    scalars = summarize(sums, run.config.train.label_smoothing, run.model_config.output_size)
     scalars["learning_rate"] = float(sums["learning_rate"]) / float(sums["steps"])
     line = progress.line(step, scalars["loss"], scalars["learning_rate"], float(sums["tokens"]))
     log.info("%s", line)

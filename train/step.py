@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_zoo.train.chunked_loss import chunked_output_loss
 from transformer_zoo.train.losses import label_smoothed_cross_entropy, token_metrics
@@ -38,15 +39,21 @@ def make_train_step(model, task: Task | Family | str, label_smoothing: float,
         layer and the loss in n pieces of the target length, never storing the
         [B, T, V] logits (train/chunked_loss.py; same values, generating
         families with tie_output only).
+
+    With model.config.output_ids, the loss is a softmax over those ids alone
+    (label smoothing spread over them): the logits of the others are masked
+    by the model, and the chunked loss forms only those rows' logits.
     """
     task = get_task(task)
     _check_loss_chunks(model, task, loss_chunks)
+    output_ids = _output_ids(model)
 
     def loss_fn(params, batch, rng):
         if loss_chunks:
             return _chunked_loss(params, batch, rng)
         logits, targets, weights = task.forward(model, params, batch, deterministic=False,
                                                 rngs={"dropout": rng})
+        logits, targets = restrict_to_outputs(output_ids, logits, targets)
         loss_sum, count = label_smoothed_cross_entropy(logits, targets, weights, label_smoothing)
         metrics = token_metrics(jax.lax.stop_gradient(logits), targets, weights, label_smoothing)
         return _mean(loss_sum, count, metrics)
@@ -54,6 +61,9 @@ def make_train_step(model, task: Task | Family | str, label_smoothing: float,
     def _chunked_loss(params, batch, rng):
         hidden, (table, bias), targets, weights = task.forward_hidden(
             model, params, batch, deterministic=False, rngs={"dropout": rng})
+        if output_ids is not None:  # the output layer of those rows alone: a smaller one
+            table, bias = table[output_ids], bias[output_ids]
+            targets = output_positions(output_ids, targets)
         loss_sum, metrics = chunked_output_loss(hidden, table, bias, targets, weights,
                                                 label_smoothing, loss_chunks,
                                                 model.config.kernels)
@@ -98,11 +108,34 @@ def make_eval_step(model, task: Task | Family | str, label_smoothing: float) -> 
     """eval_step(params, batch) -> metric sums (deterministic forward)."""
     task = get_task(task)
 
+    output_ids = _output_ids(model)
+
     def eval_step(params, batch):
         logits, targets, weights = task.forward(model, params, batch, deterministic=True)
+        logits, targets = restrict_to_outputs(output_ids, logits, targets)
         return token_metrics(logits, targets, weights, label_smoothing)
 
     return eval_step
+
+
+def _output_ids(model) -> np.ndarray | None:
+    ids = getattr(model.config, "output_ids", None)
+    return None if ids is None else np.asarray(ids, np.int32)
+
+
+def output_positions(output_ids: Array, targets: Array) -> Array:
+    """Target ids [B, T] as positions in the ascending `output_ids` [K] (the data spells
+    targets with those ids; an id outside them only occurs as weight-0 padding)."""
+    return jnp.clip(jnp.searchsorted(output_ids, targets), 0, output_ids.shape[0] - 1)
+
+
+def restrict_to_outputs(output_ids: Array | None, logits: Array,
+                        targets: Array) -> tuple[Array, Array]:
+    """([B, T, K] logits of the output ids, targets as positions among them); as
+    given when output_ids is None."""
+    if output_ids is None:
+        return logits, targets
+    return jnp.take(logits, output_ids, axis=-1), output_positions(output_ids, targets)
 
 
 def _global_norm(tree) -> Array:

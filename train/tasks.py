@@ -142,7 +142,8 @@ def build_model(family: Family | str | Task, model_config: ModelConfig) -> nn.Mo
 
 
 def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None,
-                      special_ids: dict[str, int] | None = None) -> ModelConfig:
+                      special_ids: dict[str, int] | None = None,
+                      output_ids: tuple[int, ...] | None = None) -> ModelConfig:
     """ModelConfig from the run config's `model` section, the tokenizer and the devices.
 
     Args:
@@ -153,6 +154,8 @@ def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None,
       special_ids: the tokenizer's {"pad_id", "bos_id", "eos_id"}, taken where
         the section leaves them None; None = ModelConfig's defaults (the ids of
         this zoo's own tokenizers).
+      output_ids: the ids the output layer scores (data.output_vocab's target
+        side); None = all.
 
     Raises:
       ValueError: a key that is not a ModelConfig field, or a model.vocab_size
@@ -163,6 +166,7 @@ def model_config_from(run_model_cfg, vocab_size: int, *, kernels=None,
         raise ValueError(f"model.vocab_size={fields['vocab_size']} is not the tokenizer's "
                          f"vocabulary size {vocab_size}; leave it unset (None) to take it")
     fields["vocab_size"] = vocab_size
+    fields["output_ids"] = output_ids
     if fields["kernels"] is None:
         fields["kernels"] = ModelConfig.kernels if kernels is None else kernels
     for name in ("pad_id", "bos_id", "eos_id"):

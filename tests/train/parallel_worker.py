@@ -21,6 +21,8 @@ import jax
 import numpy as np
 
 from tests.train import tiny_config
+from transformer_zoo import data
+from transformer_zoo.data.synthetic import NUMBER_WORDS
 from transformer_zoo.train import parallel
 from transformer_zoo.train.input import build_input
 from transformer_zoo.train.loop import init_state, restore_or_start, setup, train_and_evaluate
@@ -46,10 +48,11 @@ def config(dropout: float = 0.0):
     return cfg
 
 
-def _losses(cfg, workdir, mesh_shape, step_kind, devices) -> tuple[list[float], object]:
+def _losses(cfg, workdir, mesh_shape, step_kind, devices,
+            output_ids=None) -> tuple[list[float], object]:
     cfg.parallel.update(mesh_shape=mesh_shape, step=step_kind)
     inp = build_input(cfg, workdir)
-    model_config = model_config_from(cfg.model, inp.tokenizer.vocab_size)
+    model_config = model_config_from(cfg.model, inp.tokenizer.vocab_size, output_ids=output_ids)
     model = build_model(cfg.family, model_config)
     tx, schedule = make_optimizer(cfg.optim, model_config.d_model, cfg.train.num_steps)
     plan = parallel.Plan.from_config(cfg.parallel, devices)
@@ -94,6 +97,14 @@ def equivalence(workdir: str) -> dict:
         chunked.train.loss_chunks = 4
         shape, step = VARIANTS[name]
         result["chunked_" + name] = _losses(chunked, workdir, shape, step, None)[0]
+    # The output layer over the target side's ids (the number words, EOS and UNK: no
+    # digit), its rows gathered from a vocabulary-sharded table.
+    words = tuple(sorted({data.EOS_ID, data.UNK_ID,
+                          *data.number_tokenizer().encode(" ".join(NUMBER_WORDS))}))
+    result["words_one"] = _losses(chunked, workdir, (1, 1, 1), "jit", one, words)[0]
+    for name in ("dp2_tp4", "shard_map8"):
+        shape, step = VARIANTS[name]
+        result["words_" + name] = _losses(chunked, workdir, shape, step, None, words)[0]
     return {"losses": result, "shardings": reports}
 
 

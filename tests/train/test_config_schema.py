@@ -35,8 +35,8 @@ RECORDED_BASE = {
     "activation_dropout_rate": 0.0, "attention_dropout_rate": 0.0, "attention_impl": "xla",
     "attention_window": None, "bos_id": 2, "d_ff": 2048, "d_model": 512, "dropout_rate": 0.1,
     "dtype": "float32", "ffn_activation": "relu", "head_dim": None, "input_vocab_size": None,
-    "kernels": "portable", "max_length": 256, "norm": "layernorm", "norm_epsilon": 1e-06,
-    "norm_position": "post", "num_classes": None, "num_decoder_layers": 6,
+    "output_ids": None, "kernels": "portable", "max_length": 256, "norm": "layernorm",
+    "norm_epsilon": 1e-06, "norm_position": "post", "num_classes": None, "num_decoder_layers": 6,
     "num_encoder_layers": 6, "num_heads": 8, "num_kv_heads": None, "pad_id": 0,
     "param_dtype": "float32", "position_encoding": "sinusoidal", "rope_base": 10000.0,
     "scale_embeddings": True, "score_fn": "dot", "share_embeddings": True, "tie_output": True,
@@ -160,7 +160,8 @@ def _parse(*overrides, config_file=TINY):
     return values.config
 
 
-@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(ModelConfig)])
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(ModelConfig)
+                                  if f.name not in schema.SET_BY_THE_DATA])
 def test_every_model_config_field_is_settable_from_the_command_line(name):
     assert name in FROM_THE_COMMAND_LINE, f"add a command-line value for ModelConfig.{name}"
     text, expected = FROM_THE_COMMAND_LINE[name]
@@ -170,9 +171,18 @@ def test_every_model_config_field_is_settable_from_the_command_line(name):
     assert getattr(resolved, name) == expected
 
 
+def test_output_ids_come_from_the_data_not_the_model_section():
+    assert "output_ids" in schema.SET_BY_THE_DATA
+    assert "output_ids" not in common.base_config().model
+    with pytest.raises(AttributeError, match="output_ids"):  # a key the section lacks
+        _parse("--config.model.output_ids=1")
+    resolved = model_config_from(common.base_config().model, V, output_ids=(1, 5))
+    assert resolved.output_ids == (1, 5) and resolved.output_size == 2
+
+
 def test_model_section_has_every_field_with_its_default_and_docstring_comment():
     section = common.base_config().model
-    fields = dataclasses.fields(ModelConfig)
+    fields = [f for f in dataclasses.fields(ModelConfig) if f.name not in schema.SET_BY_THE_DATA]
     assert set(section) == {f.name for f in fields}
     docs = schema.attribute_docs(ModelConfig)
     for f in fields:

@@ -112,7 +112,8 @@ def _finetune_config(workdir, tmp_path):
 
     config = common.base_config(task="parallel_files")
     saved = load_run(workdir).model.config
-    left = {"dtype", "param_dtype", "kernels", "vocab_size", "pad_id", "bos_id", "eos_id"}
+    left = {"dtype", "param_dtype", "kernels", "vocab_size", "pad_id", "bos_id", "eos_id",
+            "output_ids"}
     config.model.update({k: str(v) if isinstance(v, enum.Enum) else v
                          for k, v in dataclasses.asdict(saved).items() if k not in left})
     files = _parallel_files(tmp_path)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.train import tiny_config
+from tests.train import tiny_config, tiny_translation
 from transformer_zoo.train.checkpoint import Checkpointer
 from transformer_zoo.train.loop import NonFiniteLossError, train_and_evaluate
 from transformer_zoo.train.predict import load_run
@@ -419,29 +419,8 @@ def test_a_partially_written_checkpoint_is_never_restored(full_run, tmp_path):
     assert load_run(workdir).step == 30
 
 
-def _write_pairs(directory, name, examples):
-    for side, key in (("en", "inputs"), ("de", "targets")):
-        (directory / f"{name}.{side}").write_text("".join(e[key] + "\n" for e in examples))
-
-
 def test_translation_recipe_averages_selects_on_val_and_reports_test(tmp_path):
-    from transformer_zoo import data
-    from transformer_zoo.configs import multi30k
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for name, n, seed in (("train", 400, 0), ("val", 12, 1), ("test", 10, 2)):
-        ds = data.number_words("train", num_examples=n, seed=seed)
-        _write_pairs(corpus, name, [ds[i] for i in range(n)])
-    config = multi30k.get_config()
-    config.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
-                        num_decoder_layers=1, max_length=64)
-    config.data.update(train_source=str(corpus / "train.en"), train_target=str(corpus / "train.de"),
-                       eval_source=str(corpus / "val.en"), eval_target=str(corpus / "val.de"),
-                       test_source=str(corpus / "test.en"), test_target=str(corpus / "test.de"),
-                       vocab_size=64, batch_size=8, max_inputs_length=32, max_targets_length=32,
-                       eval_batch_size=8, num_decode_examples=12)
-    config.optim.update(warmup_steps=2)  # the recipe's cosine needs warmup < num_steps
+    config = tiny_translation.config(tmp_path)
     config.train.update(num_steps=6, checkpoint_every=2, eval_every=0, log_every=3,
                         average_last=3)
     config.decode.update(beam_size=2, max_extra=4, num_print=0)

@@ -129,6 +129,13 @@ def test_the_chunked_loss_sharded_gives_the_single_device_losses(equivalence):
         np.testing.assert_allclose(losses[name], losses["one"], rtol=1e-5, err_msg=name)
 
 
+def test_the_target_side_output_layer_sharded_gives_the_single_device_losses(equivalence):
+    losses = equivalence["losses"]
+    assert not np.allclose(losses["words_one"], losses["one"], rtol=1e-4)  # another softmax
+    for name in ("words_dp2_tp4", "words_shard_map8"):
+        np.testing.assert_allclose(losses[name], losses["words_one"], rtol=1e-5, err_msg=name)
+
+
 def test_jit_variants_draw_the_single_device_dropout(equivalence):
     losses = equivalence["losses"]
     np.testing.assert_allclose(losses["dropout_dp2_tp4"], losses["dropout_one"], rtol=1e-5)

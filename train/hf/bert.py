@@ -73,7 +73,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         use_bias=True, tie_output=True, scale_embeddings=False, embedding_norm=True,
         num_kv_heads=(None, cfg.num_heads), head_dim=(None, cfg.d_model // cfg.num_heads),
         v_head_dim=None, score_fn="dot", attention_window=None,
-        pooling="first", output_bias=cfg.mlm_transform)
+        pooling="first", output_bias=cfg.mlm_transform, output_ids=None)
     if cfg.type_vocab_size < 1:
         raise base.ConversionError(f"this model cannot be written as {what}: it has no "
                                    "token-type embeddings (type_vocab_size=0)")

@@ -59,7 +59,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         use_bias=True, tie_output=True, scale_embeddings=False, embedding_norm=False,
         num_kv_heads=(None, cfg.num_heads), head_dim=(None, cfg.d_model // cfg.num_heads),
         v_head_dim=None, score_fn="dot", attention_window=None, output_bias=False,
-        type_vocab_size=0)
+        type_vocab_size=0, output_ids=None)
     return {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
         "vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_head": cfg.num_heads,

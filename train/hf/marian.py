@@ -72,7 +72,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         tie_output=True, output_bias=True, embedding_norm=False, type_vocab_size=0,
         num_kv_heads=(None, cfg.num_heads), head_dim=(None, cfg.d_model // cfg.num_heads),
         v_head_dim=None, score_fn="dot", attention_window=None, input_vocab_size=(
-            None, cfg.vocab_size))
+            None, cfg.vocab_size), output_ids=None)
     return {
         "model_type": "marian", "architectures": ["MarianMTModel"],
         "vocab_size": cfg.vocab_size, "decoder_vocab_size": cfg.vocab_size,
