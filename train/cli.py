@@ -63,6 +63,13 @@ def run_command(prog: str, doc: str, define: Callable[[flags.FlagValues], None],
     return 0
 
 
+def brief(value):
+    """A config value for a message: a long id list (output_ids) as its length and ends."""
+    if isinstance(value, list | tuple) and len(value) > 6:
+        return f"{len(value)} ids {value[0]}..{value[-1]}"
+    return value
+
+
 def missing_data_file(field: str, path) -> str:
     """The message for a data file (config field `field`) that does not exist."""
     return (f"{field}: {path} does not exist. Set it with --config.data.<field>=PATH "

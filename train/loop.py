@@ -32,6 +32,7 @@ from transformer_zoo.train.checkpoint import (
     checkpoint_dir,
     write_json,
 )
+from transformer_zoo.train.cli import brief
 from transformer_zoo.train.input import Input, build_input, copy_tokenizer
 from transformer_zoo.train.losses import summarize
 from transformer_zoo.train.metrics import CompileTimer, MetricWriter, Progress
@@ -142,7 +143,7 @@ def _check_same_model(source: Checkpointer, step: int, run: Run) -> None:
               if k not in schema.FINE_TUNABLE_MODEL_FIELDS and theirs[k] != ours[k]}
     if differ:
         raise ValueError(f"init_from={run.config.init_from!r} holds another model: "
-                         + ", ".join(f"model.{k} is {a!r} there, {b!r} here"
+                         + ", ".join(f"model.{k} is {brief(a)!r} there, {brief(b)!r} here"
                                      for k, (a, b) in differ.items()))
 
 

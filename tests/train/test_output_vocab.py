@@ -187,6 +187,12 @@ def test_a_run_keeps_the_targets_pieces_and_decodes_them_in_a_fresh_process(tmp_
         cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert out.read_text() == (workdir / "test.hyp").read_text()
+    # Fine-tuning it with every id scored is another model: refused in one short line.
+    config.data.output_vocab = "all"
+    config.init_from = str(workdir)
+    with pytest.raises(ValueError, match=rf"model.output_ids is '{len(expected)} ids 1\.\.\d+' "
+                                         "there, None here"):
+        train_and_evaluate(config, tmp_path / "fine_tuned")
 
 
 def test_held_out_targets_are_spelt_with_the_sets_pieces(tmp_path):

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from transformer_zoo.models import FfnActivation, ModelConfig
+from transformer_zoo.train.cli import brief
 from transformer_zoo.train.hf.rules import Rule
 from transformer_zoo.train.hf.weights import ConversionError
 from transformer_zoo.train.tasks import Family
@@ -73,19 +74,12 @@ def number(hf_config: Mapping, key: str, default=None):
 
 def check_exportable(cfg: ModelConfig, what: str, **wanted) -> None:
     """ConversionError naming every ModelConfig field that `what` cannot represent."""
-    wrong = {k: _short(getattr(cfg, k)) for k, v in wanted.items()
+    wrong = {k: brief(getattr(cfg, k)) for k, v in wanted.items()
              if (getattr(cfg, k) not in v if isinstance(v, tuple) else getattr(cfg, k) != v)}
     if wrong:
         needed = {k: wanted[k] for k in wrong}
         raise ConversionError(f"this model cannot be written as {what}: it has {wrong}, "
                               f"{what} needs {needed}")
-
-
-def _short(value):
-    """A value for a message: a long tuple (output_ids) as its length and ends."""
-    if isinstance(value, tuple) and len(value) > 6:
-        return f"{len(value)} ids {value[0]}..{value[-1]}"
-    return value
 
 
 def exportable_activation(cfg: ModelConfig, what: str) -> str:
