@@ -139,8 +139,8 @@ def _seq2seq_input(d, seed: int, train_ds, eval_ds, tokenizer, num_decode: int,
 
 
 def _target_vocab(d, seed: int, train_ds, tokenizer) -> data.TargetVocabulary | None:
-    """data.output_vocab='target_side': the pieces of the training targets (of at most
-    data.spm_max_sentences of them, sampled as the tokenizer's text was), else None."""
+    """data.output_vocab='target_side': the pieces of the training targets (all of them,
+    or data.spm_max_sentences drawn with the run's seed where there are more), else None."""
     if data.OutputVocab(d.output_vocab) == data.OutputVocab.ALL:
         return None
     n = len(train_ds)
