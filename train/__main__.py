@@ -25,6 +25,7 @@ import asyncio  # noqa: E402
 import codecs  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -68,12 +69,19 @@ def fail(message: str, code: int = 1, *, immediately: bool = False):
     sys.exit(code)
 
 
-def keep_interrupts() -> None:
-    """Makes a Ctrl-C that lands in a callback (jax's gc hook, an import lock's) count.
+_SIGINT_SEEN = threading.Event()
 
-    Python prints "Exception ignored" and drops an exception raised in such a
-    callback, so the KeyboardInterrupt of the SIGINT handler would be lost and the
-    run go on; this raises it again in the main code instead.
+
+def keep_interrupts() -> None:
+    """Makes a Ctrl-C count wherever it lands, and records that one arrived.
+
+    Python prints "Exception ignored" and drops an exception raised in a callback
+    (jax's gc hook, an import lock's), so the KeyboardInterrupt of the SIGINT
+    handler would be lost and the run go on; this raises it again in the main code
+    instead. An import that a Ctrl-C cuts short can end in another exception:
+    numpy's C extensions print the KeyboardInterrupt (through sys.excepthook) and
+    raise ImportError("numpy._core.multiarray failed to import") in its place, so
+    the SIGINT handler records each Ctrl-C (`interrupted`) and the hook prints none.
     """
     previous = sys.unraisablehook
 
@@ -87,6 +95,25 @@ def keep_interrupts() -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored
+        signal.signal(signal.SIGINT, _record_interrupt)
+    previous_excepthook = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            previous_excepthook(kind, value, traceback)
+
+    sys.excepthook = excepthook
+
+
+def _record_interrupt(signum, frame):
+    _SIGINT_SEEN.set()
+    signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
+
+
+def interrupted(err: BaseException) -> bool:
+    """Whether `err` is a Ctrl-C, or an exception raised after one arrived."""
+    return isinstance(err, KeyboardInterrupt) or _SIGINT_SEEN.is_set()
 
 
 def _without_traceback(record: logging.LogRecord) -> bool:
@@ -224,7 +251,9 @@ def main(argv):
             raise UserError(one_line(err)) from err
     except (UserError, OSError) as err:  # OSError: a data file unreadable in preflight
         fail(one_line(err))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as err:  # Exception: a bug, or Ctrl-C in an import
+        if not interrupted(err):
+            raise
         # Immediately: a Ctrl-C that cut a compilation short leaves XLA's threads
         # running it, and finalising the interpreter under them can crash (SIGSEGV
         # after this line). What the run holds (the workdir lock, the checkpointer
@@ -238,7 +267,9 @@ if __name__ == "__main__":
     asyncio.set_event_loop_policy(_LateCallbacksDropped())
     try:
         app.run(main, flags_parser=_parse_flags)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as err:  # Exception: a bug, or Ctrl-C in an import
+        if not interrupted(err):
+            raise
         # Nothing to clean up yet; immediately, so no second interrupt while exiting.
         fail("interrupted before the run started; nothing was written", INTERRUPTED,
              immediately=True)
