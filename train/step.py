@@ -119,7 +119,7 @@ def make_eval_step(model, task: Task | Family | str, label_smoothing: float) -> 
 
 
 def _output_ids(model) -> np.ndarray | None:
-    ids = getattr(model.config, "output_ids", None)
+    ids = model.config.output_ids
     return None if ids is None else np.asarray(ids, np.int32)
 
 
