@@ -78,10 +78,11 @@ def keep_interrupts() -> None:
     Python prints "Exception ignored" and drops an exception raised in a callback
     (jax's gc hook, an import lock's), so the KeyboardInterrupt of the SIGINT
     handler would be lost and the run go on; this raises it again in the main code
-    instead. An import that a Ctrl-C cuts short can end in another exception:
-    numpy's C extensions print the KeyboardInterrupt (through sys.excepthook) and
-    raise ImportError("numpy._core.multiarray failed to import") in its place, so
-    the SIGINT handler records each Ctrl-C (`interrupted`) and the hook prints none.
+    instead. And a Ctrl-C can surface as another exception: numpy's C extensions,
+    cut short while importing, print the KeyboardInterrupt (through sys.excepthook)
+    and raise ImportError("numpy._core.multiarray failed to import") in its place;
+    jax re-raises one that lands in a pytree comparison as a ValueError. So the
+    SIGINT handler records each Ctrl-C (`interrupted`) and the hook prints none.
     """
     previous = sys.unraisablehook
 
@@ -249,17 +250,17 @@ def main(argv):
             train_and_evaluate(FLAGS.config, FLAGS.workdir)
         except (NonFiniteLossError, ValueError, OSError) as err:
             raise UserError(one_line(err)) from err
-    except (UserError, OSError) as err:  # OSError: a data file unreadable in preflight
-        fail(one_line(err))
-    except (KeyboardInterrupt, Exception) as err:  # Exception: a bug, or Ctrl-C in an import
-        if not interrupted(err):
-            raise
-        # Immediately: a Ctrl-C that cut a compilation short leaves XLA's threads
-        # running it, and finalising the interpreter under them can crash (SIGSEGV
-        # after this line). What the run holds (the workdir lock, the checkpointer
-        # and its saves) was released while the exception unwound.
-        fail("interrupted during set-up, compilation or the final decode; the latest "
-             f"checkpoint in {FLAGS.workdir} is kept", INTERRUPTED, immediately=True)
+    except (KeyboardInterrupt, Exception) as err:
+        if interrupted(err):  # first: a library may re-raise a Ctrl-C as a ValueError
+            # Immediately: a Ctrl-C that cut a compilation short leaves XLA's threads
+            # running it, and finalising the interpreter under them can crash (SIGSEGV
+            # after this line). What the run holds (the workdir lock, the checkpointer
+            # and its saves) was released while the exception unwound.
+            fail("interrupted during set-up, compilation or the final decode; the latest "
+                 f"checkpoint in {FLAGS.workdir} is kept", INTERRUPTED, immediately=True)
+        if isinstance(err, (UserError, OSError)):  # OSError: a data file unreadable in preflight
+            fail(one_line(err))
+        raise  # a bug: its traceback
 
 
 if __name__ == "__main__":

@@ -210,37 +210,61 @@ def test_train_sigint_is_one_line(phase, message, tmp_path):
     assert message in errors[0]
 
 
-# A config file that fails as numpy's C extensions do when a Ctrl-C cuts their
-# import short (`import_array`): the KeyboardInterrupt printed by PyErr_Print (through
-# sys.excepthook), then a fresh ImportError in its place.
-_IMPORT_CUT_SHORT = """
+# Config files that fail as libraries do when a Ctrl-C lands inside them, or fail alike
+# with no Ctrl-C: numpy's C extensions cut short while the config file imports them
+# (`import_array` prints the KeyboardInterrupt through sys.excepthook and raises a fresh
+# ImportError), and jax during set-up (a pytree comparison re-raises it as ValueError).
+_CUT_SHORT = """
 import os, signal, sys, time
-try:
-    if {interrupt}:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(30)
-except KeyboardInterrupt:
-    sys.excepthook(*sys.exc_info())
-raise ImportError("numpy._core.multiarray failed to import")
+from transformer_zoo.configs import default
+from transformer_zoo.train import loop
+
+
+def cut_short(error):
+    try:
+        if {interrupt}:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+    raise error
+
+
+def set_up(config, workdir):
+    cut_short(ValueError("Exception raised while checking equality of metadata fields"))
+
+
+get_config = default.get_config
+if "{phase}" == "import":
+    cut_short(ImportError("numpy._core.multiarray failed to import"))
+loop.train_and_evaluate = set_up
 """
 
 
+@pytest.mark.parametrize("phase", ["import", "set-up"])
 @pytest.mark.parametrize("interrupt", [True, False])
-def test_train_import_cut_short_by_sigint_is_one_line(interrupt, tmp_path):
+def test_train_sigint_inside_a_library_is_one_line(phase, interrupt, tmp_path):
     config = tmp_path / "config.py"
-    config.write_text(_IMPORT_CUT_SHORT.format(interrupt=interrupt))
+    config.write_text(_CUT_SHORT.format(interrupt=interrupt, phase=phase))
+    workdir = tmp_path / "run"
     with _sigint_not_ignored():
-        result = subprocess.run(_command(str(config), (), tmp_path / "run"), cwd=ROOT,
-                                env=_env(), capture_output=True, text=True, timeout=120)
+        result = subprocess.run(_command(str(config), (), workdir), cwd=ROOT, env=_env(),
+                                capture_output=True, text=True, timeout=120)
+    stderr = result.stderr.strip()
     if interrupt:
-        assert result.returncode == 130, result.stderr
-        assert result.stderr.strip() == ("error: interrupted before the run started; "
-                                         "nothing was written")
-    else:  # no Ctrl-C: a bug in the config file keeps its traceback
-        assert result.returncode == 1, result.stderr
-        assert "Traceback" in result.stderr and "KeyboardInterrupt" not in result.stderr
-        assert result.stderr.strip().endswith("numpy._core.multiarray failed to import")
-    assert not (tmp_path / "run").exists()
+        assert result.returncode == 130, stderr
+        assert stderr == ("error: interrupted before the run started; nothing was written"
+                          if phase == "import" else "error: interrupted during set-up, "
+                          f"compilation or the final decode; the latest checkpoint in "
+                          f"{workdir} is kept")
+    elif phase == "import":  # no Ctrl-C: a bug in the config file keeps its traceback
+        assert result.returncode == 1, stderr
+        assert "Traceback" in stderr and "KeyboardInterrupt" not in stderr
+        assert stderr.endswith("numpy._core.multiarray failed to import")
+    else:  # no Ctrl-C: a ValueError in set-up is the run's one error line
+        assert result.returncode == 1, stderr
+        assert stderr == "error: Exception raised while checking equality of metadata fields"
+    assert not workdir.exists()
 
 
 def _run_ok(train_results, name: str) -> None:
