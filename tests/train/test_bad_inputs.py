@@ -170,7 +170,7 @@ def _wait_for_library(p: subprocess.Popen, name: str, timeout: float = 60.0) -> 
     """Waits until process `p` has loaded a shared library whose path holds `name`.
 
     A fixed sleep is not enough: on a loaded machine the interpreter may not have
-    reached the command's code yet, and where /proc is missing it is all there is.
+    reached the command's code yet. Without /proc (not Linux) it sleeps 1 s instead.
     """
     maps = Path(f"/proc/{p.pid}/maps")
     if not Path("/proc/self/maps").exists():
