@@ -3,7 +3,7 @@
     python -m transformer_zoo.train --config configs/multi30k.py --workdir runs/multi30k
 
 One command trains (59 min 20 s from start to the test score on a 2-core Intel Xeon
-at ~580 ms/step with the loss on stored logits, `train.loss_chunks=0`; the chunked
+at ~580 ms/step with Adam and the loss on stored logits, `train.loss_chunks=0`; the chunked
 loss it now uses makes a step 1.11-1.24x faster on an AMD EPYC Zen 3), checkpoints
 every 100 steps, decodes val (beam 6, alpha 1.4) with the final checkpoint and
 decodes test2016 with it: sacreBLEU / chrF in WORKDIR/final_metrics.json, hypotheses
@@ -63,6 +63,11 @@ def get_config() -> ml_collections.ConfigDict:
     o.learning_rate = 5e-3
     o.end_learning_rate = 0.0
     o.warmup_steps = 2000
+    # AdamW, decoupled weight decay 0.1 scaled by the learning rate, off biases and norm
+    # scales: on val +0.29 BLEU over Adam, the mean of
+    # two paired runs, one per machine (-0.21 on an AMD EPYC Zen 3, +0.79 on a Zen 4).
+    o.name = "adamw"
+    o.weight_decay = 0.1
 
     t = config.train
     # 5800 steps (~43 epochs) fit the hour at ~580 ms/step on a 2-core Intel Xeon; at
