@@ -30,7 +30,7 @@ from transformer_zoo.models import Kernels, ModelConfig
 from transformer_zoo.train.checkpoint import BestMode
 from transformer_zoo.train.schedules import Schedule
 from transformer_zoo.train.scores import DecodeMetric
-from transformer_zoo.train.state import Optimizer
+from transformer_zoo.train.state import Optimizer, check_weight_decay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +401,7 @@ OPTIM_FIELDS = {
     "b1": Field(0.9, "Adam beta1", at_least=0.0, below=1.0),
     "b2": Field(0.98, "Adam beta2", at_least=0.0, below=1.0),
     "eps": Field(1e-9, "Adam epsilon", above=0.0),
-    "weight_decay": Field(0.0, "adamw only", at_least=0.0),
+    "weight_decay": Field(0.0, "decoupled, adamw only (adam refuses > 0)", at_least=0.0),
     "learning_rate": Field(1.0, "peak lr (rsqrt_warmup: a multiplier)", above=0.0),
     "end_learning_rate": Field(0.0, "final lr of warmup_cosine", at_least=0.0),
     "warmup_steps": Field(4000, "linear warmup length", at_least=0),
@@ -466,3 +466,5 @@ def check(config) -> None:
             field.check_choice(f"optim.{name}", optim[name])
             field.check_range(f"optim.{name}", optim[name])
     _check_schedule(optim, config.train.num_steps)
+    check_weight_decay(optim.get("name", OPTIM_FIELDS["name"].default),
+                       optim.get("weight_decay", OPTIM_FIELDS["weight_decay"].default))

@@ -71,6 +71,18 @@ def decay_mask(params) -> Any:
     return traverse_util.unflatten_dict(mask)
 
 
+def check_weight_decay(name: str, weight_decay: float) -> None:
+    """ValueError for a weight decay the chosen optimizer would not apply.
+
+    Adam here is the paper's, with no decay term: a decay left set (say from a recipe
+    that uses AdamW) would be ignored without a word, so it is refused instead.
+    """
+    if parse(Optimizer, name, "optim.name") == Optimizer.ADAM and weight_decay:
+        raise ValueError(f"optim.weight_decay={weight_decay} is applied by "
+                         f"optim.name='adamw' only; with optim.name='adam' set "
+                         f"optim.weight_decay=0")
+
+
 def make_optimizer(optim, d_model: int, total_steps: int) -> tuple[optax.GradientTransformation,
                                                                     Callable]:
     """The optimizer described by the run config's `optim` section.
@@ -79,6 +91,7 @@ def make_optimizer(optim, d_model: int, total_steps: int) -> tuple[optax.Gradien
       (tx, schedule): the transformation and its learning-rate schedule.
     """
     name = parse(Optimizer, optim.name, "optim.name")
+    check_weight_decay(name, optim.weight_decay)
     schedule = make_schedule(
         optim.schedule, d_model=d_model, peak=optim.learning_rate,
         warmup_steps=optim.warmup_steps, total_steps=total_steps,

@@ -174,10 +174,18 @@ def test_adamw_decays_weights_only():
     assert float(jnp.abs(updates["norm"]["scale"]).max()) == 0
 
 
+def test_adam_refuses_a_weight_decay_it_would_not_apply():
+    with pytest.raises(ValueError, match=r"optim.weight_decay=0.1 is applied by "
+                                         r"optim.name='adamw' only"):
+        make_optimizer(_optim(name="adam"), d_model=2, total_steps=10)
+    make_optimizer(_optim(name="adam", weight_decay=0.0), d_model=2, total_steps=10)
+
+
 def test_gradient_accumulation_averages_micro_batches():
     params = {"w": jnp.array([1.0, 2.0])}
-    tx, _ = make_optimizer(_optim(name="adam", clip_norm=0.0, grad_accum_steps=2), 2, 10)
-    plain, _ = make_optimizer(_optim(name="adam", clip_norm=0.0), 2, 10)
+    adam = dict(name="adam", weight_decay=0.0, clip_norm=0.0)
+    tx, _ = make_optimizer(_optim(**adam, grad_accum_steps=2), 2, 10)
+    plain, _ = make_optimizer(_optim(**adam), 2, 10)
     state = tx.init(params)
     g1, g2 = {"w": jnp.array([1.0, -3.0])}, {"w": jnp.array([3.0, 1.0])}
     u1, state = tx.update(g1, state, params)
