@@ -279,10 +279,10 @@ def test_a_schedule_that_does_not_fit_the_run_fails_before_any_work(tmp_path, ov
 
 
 def test_adam_refuses_a_weight_decay_it_would_not_apply(tmp_path):
-    config = _recipe("multi30k")  # AdamW with weight decay 0.1
+    config = _recipe("multi30k")  # AdamW with weight decay 0.2
     config.optim.name = "adam"
     workdir = tmp_path / "run"
-    with pytest.raises(ValueError, match=r"^optim.weight_decay=0.1 is applied by "
+    with pytest.raises(ValueError, match=r"^optim.weight_decay=0.2 is applied by "
                                          r"optim.name='adamw' only; with optim.name='adam' "
                                          r"set optim.weight_decay=0$"):
         train_and_evaluate(config, workdir)
