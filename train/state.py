@@ -79,8 +79,8 @@ def check_weight_decay(name: str, weight_decay: float) -> None:
     """
     if parse(Optimizer, name, "optim.name") == Optimizer.ADAM and weight_decay:
         raise ValueError(f"optim.weight_decay={weight_decay} is applied by "
-                         f"optim.name='adamw' only; with optim.name='adam' set "
-                         f"optim.weight_decay=0")
+                         "optim.name='adamw' only; with optim.name='adam' set "
+                         "optim.weight_decay=0")
 
 
 def make_optimizer(optim, d_model: int, total_steps: int) -> tuple[optax.GradientTransformation,
