@@ -3,8 +3,8 @@
     python -m transformer_zoo.train --config configs/multi30k.py --workdir runs/multi30k
 
 One command trains (59 min 20 s from start to the test score on a 2-core Intel Xeon
-at ~580 ms/step with Adam and the loss on stored logits, `train.loss_chunks=0`; the chunked
-loss it now uses makes a step 1.11-1.24x faster on an AMD EPYC Zen 3), checkpoints
+at ~580 ms/step with Adam and the loss on stored logits, `train.loss_chunks=0`; the
+chunked loss it now uses makes a step 1.11-1.24x faster on an AMD EPYC Zen 3), checkpoints
 every 100 steps, decodes val (beam 6, alpha 1.4) with the final checkpoint and
 decodes test2016 with it: sacreBLEU / chrF in WORKDIR/final_metrics.json, hypotheses
 in WORKDIR/test.hyp.
